@@ -1,0 +1,425 @@
+"""The EAGLE-3 drafter: one module for inference (KV cache, chains and trees) and training (TTT unroll).
+
+Design decisions:
+- Parameter names are SGLang's ``LlamaForCausalLMEagle3`` names (``fc``, ``midlayer.*``, ``norm``,
+  ``lm_head``, ``d2t``, ``t2d``), so export is a filter over ``state_dict()`` and nothing is renamed.
+- A *row* is one drafter input: ``(hidden, token)``. Context row ``r`` carries ``fc(aux_r)`` (the target's fused
+  features after reading ``x_0..x_r``) and the embedding of ``x_{r+1}``, sits at position ``r``, and predicts
+  ``x_{r+2}``. Draft step ``j`` after a context ending at ``n`` is a row at position ``n + j`` whose hidden is the
+  previous row's output (pre-norm) and whose token is the previous draft. This is what SGLang runs.
+- Training-time test reproduces exactly that at every position of a sequence at once: at unroll step ``j`` the
+  row of chain ``t`` attends to the step-0 rows ``<= t`` (causal, same segment) plus its own rows of steps
+  ``1..j`` (the "diagonal"), with rope position ``t + j``. ``tests`` check that it equals the cached path.
+- Block: ``r = h + attn(cat(input_layernorm(e), hidden_norm(h)))``; ``out = r + mlp(post_attention_layernorm(r))``;
+  ``logits = lm_head(norm(out))``; ``out`` (pre-norm) feeds the next step.
+- Draft vocabulary maps: ``target_id = draft_id + d2t[draft_id]``; ``t2d[target_id]`` is True for draft tokens.
+- The embedding is the target's, frozen, and not part of what training updates or export writes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.kv_cache import SlotCache
+
+
+@dataclass
+class DrafterConfig:
+    """Sizes and conventions of an EAGLE-3 drafter; built from the target's config by :meth:`from_target`."""
+
+    hidden_size: int
+    """Model width; equals the target's hidden size (the drafter reads the target's embeddings)."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    """The target's vocabulary size."""
+    draft_vocab_size: int
+    """Size of the reduced output vocabulary (the N most frequent loss-masked target tokens)."""
+    aux_layer_ids: list[int]
+    """Target layers whose outputs are fused (SGLang convention: output of decoder layer i)."""
+    max_position_embeddings: int
+    """The target's; never smaller than the contexts the drafter will serve."""
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    """transformers-style rope settings copied from the target (``rope_type``, ``rope_theta``, YaRN factors...)."""
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    embed_scale: float = 1.0
+    """Multiplier the target applies to its input embeddings (sqrt(H) for Gemma, 1 elsewhere)."""
+    target_hidden_size: int | None = None
+    """Width of each aux state (defaults to ``hidden_size``)."""
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} is larger than the target vocabulary ({self.vocab_size})"
+            )
+        if self.draft_vocab_size < 1:
+            raise ValueError("draft_vocab_size must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if len(self.aux_layer_ids) < 1:
+            raise ValueError("aux_layer_ids must name at least one target layer")
+        if "rope_type" not in self.rope_parameters:
+            self.rope_parameters = {"rope_type": "default", **self.rope_parameters}
+
+    @property
+    def fc_in_features(self) -> int:
+        return len(self.aux_layer_ids) * int(self.target_hidden_size)
+
+    @classmethod
+    def from_target(cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, **overrides: Any):
+        """Take sizes, rope and positions from a transformers config of the target (any architecture)."""
+        c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = int(c.num_attention_heads)
+        is_mla = getattr(c, "kv_lora_rank", None) is not None
+        kv = heads if is_mla else int(getattr(c, "num_key_value_heads", None) or heads)
+        head_dim = getattr(c, "head_dim", None)
+        if is_mla:
+            head_dim = getattr(c, "v_head_dim", None)
+        head_dim = int(head_dim or c.hidden_size // heads)
+        rope = _rope_parameters(c)
+        embed_scale = math.sqrt(c.hidden_size) if str(getattr(c, "model_type", "")).startswith("gemma") else 1.0
+        values: dict[str, Any] = dict(
+            hidden_size=int(c.hidden_size),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            intermediate_size=int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size),
+            vocab_size=int(c.vocab_size),
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=[int(i) for i in aux_layer_ids],
+            max_position_embeddings=int(c.max_position_embeddings),
+            rope_parameters=rope,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            embed_scale=embed_scale,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rope_parameters(c) -> dict[str, Any]:
+    rope = getattr(c, "rope_parameters", None)
+    if isinstance(rope, dict) and rope:
+        # some models nest per-layer-type parameters (Gemma 3): take the full-attention ones
+        if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+            rope = rope["full_attention"]
+        rope = dict(rope)
+    else:
+        rope = dict(getattr(c, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", float(getattr(c, "rope_theta", 10000.0)))
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    return rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables from the target's rope settings, via transformers' own rope initialisers."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = cfg.rope_parameters.get("rope_type", "default")
+        if rope_type.startswith("dynamic"):
+            raise ValueError("dynamic rope scaling depends on the running length; eyas drafters need a static rope")
+        lc = LlamaConfig(
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_parameters=dict(cfg.rope_parameters),
+        )
+        if rope_type == "default":
+            dim = cfg.head_dim
+            base = float(cfg.rope_parameters.get("rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](lc, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, d]; cos/sin: [B, T, d]."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.scale = d**-0.5
+
+    def qkv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, d]
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"only silu drafters are supported, not {cfg.hidden_act}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        r = hidden + attn_out
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+
+@dataclass
+class DrafterOutput:
+    """Result of a cached drafter forward."""
+
+    hidden: torch.Tensor  # [B, q, H] pre-norm output; the next draft step's hidden input
+    logits: torch.Tensor  # [B, q, draft_vocab] (fp32)
+
+
+@dataclass
+class TTTOutput:
+    """Result of a training-time-test unroll over whole sequences.
+
+    ``hidden[j]`` is the pre-norm output of unroll step ``j`` ([B, T, H]); row ``t`` of step ``j`` predicts
+    ``x_{t+j+2}``. ``valid[j]`` ([B, T] bool) marks rows whose inputs lie inside their own sample.
+    """
+
+    hidden: list[torch.Tensor]
+    valid: list[torch.Tensor]
+
+
+class Eagle3Drafter(nn.Module):
+    """See the module docstring."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True  # identity map until set_vocab_map
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+
+    # -- setup ------------------------------------------------------------------------------------------------
+    def set_embedding(self, weight: torch.Tensor) -> None:
+        """Copy in the target's input embedding table (frozen)."""
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(
+                f"target embedding {tuple(weight.shape)} does not fit this drafter "
+                f"({tuple(self.embed_tokens.weight.shape)})"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
+        """Install the draft vocabulary: ``draft_to_target[i]`` is the target id of draft token ``i``."""
+        ids = draft_to_target.long().cpu()
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"{ids.numel()} draft tokens for draft_vocab_size={self.config.draft_vocab_size}")
+        if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError("draft vocabulary must be distinct target ids inside the target vocabulary")
+        t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen target embedding (what checkpoints and exports hold)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    # -- pieces -----------------------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed_tokens(input_ids)
+        return e * self.config.embed_scale if self.config.embed_scale != 1.0 else e
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``fc`` over concatenated aux states; H-wide hidden states (own outputs) pass through."""
+        if hidden.shape[-1] == self.config.hidden_size and self.config.fc_in_features != self.config.hidden_size:
+            return hidden
+        return self.fc(hidden.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (fp32) from pre-norm outputs."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    # -- inference --------------------------------------------------------------------------------------------
+    def new_cache(self, max_len: int) -> SlotCache:
+        return SlotCache(1, max_len)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: SlotCache,
+        attention_mask: torch.Tensor,
+    ) -> DrafterOutput:
+        """Rows ``(hidden, input_ids)`` at ``position_ids`` ([B, q]); keys/values written at the slots declared by
+        ``cache.prepare``; ``attention_mask`` [B, 1, q, kv_len] bool (True = may attend)."""
+        h = self.fuse(hidden)
+        e = self.embed(input_ids).to(h.dtype)
+        cos, sin = self.rotary(position_ids, h.dtype)
+        attn = self.midlayer.self_attn
+        q, k, v = attn.qkv(self.midlayer.attn_input(e, h), cos, sin)
+        k_all, v_all = cache.update(k, v, 0)
+        o = F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=attention_mask, scale=attn.scale,
+            enable_gqa=attn.heads != attn.kv_heads,
+        )
+        out = self.midlayer.finish(h, attn.out(o))
+        return DrafterOutput(hidden=out, logits=self.logits(out))
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def forward_ttt(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        steps: int,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> TTTOutput:
+        """Unroll ``steps`` draft steps at every position (see module docstring).
+
+        input_ids: [B, T] the sequence x; aux: [B, T, n_aux*H] target features at each position;
+        position_ids: [B, T] (default 0..T-1; restart per packed sample); segment_ids: [B, T] int, 0 = padding
+        (default: one sample per row, no padding).
+        """
+        b, t = input_ids.shape
+        dev = input_ids.device
+        if position_ids is None:
+            position_ids = torch.arange(t, device=dev).expand(b, t)
+        if segment_ids is None:
+            segment_ids = torch.ones(b, t, dtype=torch.long, device=dev)
+        attn = self.midlayer.self_attn
+        rows = torch.arange(t, device=dev)
+        # step-0 visibility: causal within one sample
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
+        causal = rows[None, :, None] >= rows[None, None, :]
+        # padding rows see only themselves, so no row is fully masked (a NaN there would poison gradients)
+        eye = torch.eye(t, dtype=torch.bool, device=dev)[None]
+        main_mask = ((same & causal & (segment_ids[:, :, None] > 0)) | eye)[:, None]  # [B, 1, T, T]
+
+        h = self.fuse(aux)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        hidden_out: list[torch.Tensor] = []
+        valid_out: list[torch.Tensor] = []
+        for j in range(steps):
+            src = (rows + j + 1).clamp(max=t - 1)
+            tok = input_ids[:, src]  # x_{t+j+1}
+            valid = (rows + j + 1 < t)[None, :] & (segment_ids[:, src] == segment_ids) & (segment_ids > 0)
+            e = self.embed(tok).to(h.dtype)
+            cos, sin = self.rotary(position_ids + j, h.dtype)
+            q, k, v = attn.qkv(self.midlayer.attn_input(e, h), cos, sin)
+            if j == 0:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=main_mask, scale=attn.scale, enable_gqa=attn.heads != attn.kv_heads
+                )
+                k0, v0 = k, v
+            else:
+                keys.append(k)
+                values.append(v)
+                o = _ttt_attention(q, k0, v0, keys, values, main_mask, attn.scale)
+            h = self.midlayer.finish(h, attn.out(o))
+            hidden_out.append(h)
+            valid_out.append(valid)
+        return TTTOutput(hidden=hidden_out, valid=valid_out)
+
+
+def _ttt_attention(q, k0, v0, keys, values, main_mask, scale):
+    """Attention of unroll step j >= 1: causal over step-0 keys plus the diagonal of steps 1..j.
+
+    q: [B, h, T, d]; k0/v0 and each of keys/values: [B, kv, T, d]; main_mask: [B, 1, T, T] bool.
+    """
+    b, h, t, d = q.shape
+    kvh = k0.shape[1]
+    g = h // kvh
+    qg = q.view(b, kvh, g, t, d)  # heads grouped by their kv head
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least fp32
+    s_main = torch.einsum("bkgtd,bksd->bkgts", qg, k0).to(acc) * scale  # [B, kv, g, T, T]
+    s_main = s_main.masked_fill(~main_mask[:, :, None], float("-inf"))
+    s_diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys], dim=-1).to(acc) * scale  # [B,kv,g,T,j]
+    p = torch.softmax(torch.cat([s_main, s_diag], dim=-1), dim=-1)
+    p_main, p_diag = p[..., :t].to(q.dtype), p[..., t:].to(q.dtype)
+    o = torch.einsum("bkgts,bksd->bkgtd", p_main, v0)
+    vd = torch.stack(values, dim=-2)  # [B, kv, T, j, d]
+    o = o + torch.einsum("bkgtj,bktjd->bkgtd", p_diag, vd)
+    return o.reshape(b, h, t, d)

