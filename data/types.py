@@ -59,7 +59,9 @@ class Sample:
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
-            raise ValueError(f"sample {self.id}: {len(self.input_ids)} ids but {len(self.loss_mask)} mask entries")
+            raise ValueError(
+                f"sample {self.id}: {len(self.input_ids)} ids but {len(self.loss_mask)} mask entries"
+            )
 
     @property
     def num_tokens(self) -> int:

@@ -47,7 +47,9 @@ class DrafterConfig:
     """Target layers whose outputs are fused (SGLang convention: output of decoder layer i)."""
     max_position_embeddings: int
     """The target's; never smaller than the contexts the drafter will serve."""
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
     """transformers-style rope settings copied from the target (``rope_type``, ``rope_theta``, YaRN factors...)."""
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
@@ -89,7 +91,9 @@ class DrafterConfig:
             head_dim = getattr(c, "v_head_dim", None)
         head_dim = int(head_dim or c.hidden_size // heads)
         rope = _rope_parameters(c)
-        embed_scale = math.sqrt(c.hidden_size) if str(getattr(c, "model_type", "")).startswith("gemma") else 1.0
+        embed_scale = (
+            math.sqrt(c.hidden_size) if str(getattr(c, "model_type", "")).startswith("gemma") else 1.0
+        )
         values: dict[str, Any] = dict(
             hidden_size=int(c.hidden_size),
             num_attention_heads=heads,
@@ -148,7 +152,9 @@ class Rotary(nn.Module):
 
         rope_type = cfg.rope_parameters.get("rope_type", "default")
         if rope_type.startswith("dynamic"):
-            raise ValueError("dynamic rope scaling depends on the running length; eyas drafters need a static rope")
+            raise ValueError(
+                "dynamic rope scaling depends on the running length; eyas drafters need a static rope"
+            )
         lc = LlamaConfig(
             hidden_size=cfg.hidden_size,
             num_attention_heads=cfg.num_attention_heads,
@@ -289,8 +295,14 @@ class Eagle3Drafter(nn.Module):
         """Install the draft vocabulary: ``draft_to_target[i]`` is the target id of draft token ``i``."""
         ids = draft_to_target.long().cpu()
         if ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"{ids.numel()} draft tokens for draft_vocab_size={self.config.draft_vocab_size}")
-        if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(
+                f"{ids.numel()} draft tokens for draft_vocab_size={self.config.draft_vocab_size}"
+            )
+        if (
+            ids.unique().numel() != ids.numel()
+            or int(ids.min()) < 0
+            or int(ids.max()) >= self.config.vocab_size
+        ):
             raise ValueError("draft vocabulary must be distinct target ids inside the target vocabulary")
         t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
         t2d[ids] = True
@@ -312,7 +324,10 @@ class Eagle3Drafter(nn.Module):
 
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
         """``fc`` over concatenated aux states; H-wide hidden states (own outputs) pass through."""
-        if hidden.shape[-1] == self.config.hidden_size and self.config.fc_in_features != self.config.hidden_size:
+        if (
+            hidden.shape[-1] == self.config.hidden_size
+            and self.config.fc_in_features != self.config.hidden_size
+        ):
             return hidden
         return self.fc(hidden.to(self.fc.weight.dtype))
 
@@ -331,9 +346,11 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor,
         cache: SlotCache,
         attention_mask: torch.Tensor,
+        logits: str = "all",
     ) -> DrafterOutput:
         """Rows ``(hidden, input_ids)`` at ``position_ids`` ([B, q]); keys/values written at the slots declared by
-        ``cache.prepare``; ``attention_mask`` [B, 1, q, kv_len] bool (True = may attend)."""
+        ``cache.prepare``; ``attention_mask`` [B, 1, q, kv_len] bool (True = may attend).
+        ``logits``: ``all`` rows, or only the ``last`` one ([B, 1, draft_vocab]; context rows need no others)."""
         h = self.fuse(hidden)
         e = self.embed(input_ids).to(h.dtype)
         cos, sin = self.rotary(position_ids, h.dtype)
@@ -341,11 +358,17 @@ class Eagle3Drafter(nn.Module):
         q, k, v = attn.qkv(self.midlayer.attn_input(e, h), cos, sin)
         k_all, v_all = cache.update(k, v, 0)
         o = F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=attention_mask, scale=attn.scale,
+            q,
+            k_all,
+            v_all,
+            attn_mask=attention_mask,
+            scale=attn.scale,
             enable_gqa=attn.heads != attn.kv_heads,
         )
         out = self.midlayer.finish(h, attn.out(o))
-        return DrafterOutput(hidden=out, logits=self.logits(out))
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', not {logits!r}")
+        return DrafterOutput(hidden=out, logits=self.logits(out if logits == "all" else out[:, -1:]))
 
     # -- training ---------------------------------------------------------------------------------------------
     def forward_ttt(

@@ -134,8 +134,14 @@ def tokenizer_hash(tokenizer) -> str:
 class TargetHead(nn.Module):
     """The target's LM head plus its logit post-processing; computes fp32 logits from final hidden states."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, softcap: float | None = None,
-                 scale: float | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        softcap: float | None = None,
+        scale: float | None = None,
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -184,8 +190,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 class Target:
     """A loaded target model with its tokenizer; see the module docstring."""
 
-    def __init__(self, model: nn.Module, tokenizer, *, name: str, revision: str | None = None,
-                 aux_layers: list[int] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        *,
+        name: str,
+        revision: str | None = None,
+        aux_layers: list[int] | None = None,
+    ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = _text_config(model.config)

@@ -12,8 +12,15 @@ import torch
 ARCHS = ("llama", "qwen2", "qwen3", "deepseek_v3", "gemma3_text")
 
 
-def tiny_config(arch: str = "llama", *, vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
-                max_position_embeddings: int = 2048, **overrides: Any):
+def tiny_config(
+    arch: str = "llama",
+    *,
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    max_position_embeddings: int = 2048,
+    **overrides: Any,
+):
     from transformers import AutoConfig
 
     common: dict[str, Any] = dict(
@@ -44,9 +51,16 @@ def tiny_config(arch: str = "llama", *, vocab_size: int = 256, hidden_size: int 
             first_k_dense_replace=1,
             n_group=1,
             topk_group=1,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": max_position_embeddings // 4,
-                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": max_position_embeddings // 4,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
         )
     elif arch == "gemma3_text":
         common.update(head_dim=16, sliding_window=16, query_pre_attn_scalar=16)

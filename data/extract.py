@@ -1,0 +1,578 @@
+"""Feature extraction: run the target over formatted samples and write the feature store.
+
+``python -m data.extract extract.samples=samples.jsonl extract.out_dir=runs/store`` (Hydra; any ``target=``).
+
+Design decisions:
+- Shard k holds samples ``[k * shard_size, (k + 1) * shard_size)`` of the input order, and its micro-batches are
+  planned from those samples alone. A shard's bytes are therefore a function of its samples and the settings,
+  so a job killed at any point restarts from the first shard not in the manifest and writes a store identical
+  to an uninterrupted run. Each listed shard records a fingerprint of its input samples; a resume whose input
+  differs is refused instead of silently mixing two datasets.
+- Within a shard, samples are sorted by length (longest first) into micro-batches whose *padded* size
+  ``rows * longest`` stays within ``max_batch_tokens``, then written back in input order.
+- Right padding with the plain causal mask: a real token never attends to a pad, so no attention mask is
+  passed and the fast causal attention kernels apply. Outputs at pad positions are dropped, never stored.
+- Only the storage option that needs logits computes them (top-k: through ``Target.head``, in row chunks, at
+  real tokens only); the ``hidden`` option runs the base model without the vocabulary projection.
+- A writer thread serializes, hashes and fsyncs shard k while the target computes shard k + 1 (at most one shard
+  in flight, so memory stays at two shards).
+- Listed shards that are missing or fail their size/header check on resume are re-extracted (same bytes).
+- Test hook: ``EYAS_TEST_KILL_AT_SHARD=k`` makes the job SIGKILL itself half-way through writing shard k's temp
+  file, so the kill/resume test is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from filelock import FileLock, Timeout
+from tqdm.auto import tqdm
+
+from data.store import (
+    MANIFEST,
+    BytesPerToken,
+    FeatureCodec,
+    Manifest,
+    SampleRows,
+    ShardEntry,
+    StoreConfigError,
+    StoreError,
+    StoreOptions,
+    check_target,
+    fsync_dir,
+    rows_of,
+    shard_metadata,
+    shard_name,
+    verify_store,
+    write_safetensors,
+)
+from data.types import Sample
+
+log = logging.getLogger(__name__)
+
+KILL_HOOK_ENV = "EYAS_TEST_KILL_AT_SHARD"
+
+
+@dataclass
+class ExtractConfig:
+    """Settings of an extraction job."""
+
+    store: StoreOptions = field(default_factory=StoreOptions)
+    """Storage layout: aux dtype and how the target distribution is stored."""
+    shard_size: int = 1024
+    """Samples per shard (part of the store's identity)."""
+    max_batch_tokens: int = 16384
+    """Padded tokens (rows x longest sample) per target forward; a longer sample runs alone."""
+    max_batch_rows: int = 256
+    """At most this many samples per forward."""
+    writer_thread: bool = True
+    """Serialize and hash shard k in a background thread while shard k + 1 is computed."""
+    verify_resume: str = "header"
+    """Check of the already-written shards on resume: ``header`` (presence, size, header) or ``full`` (sha256)."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.store, Mapping):
+            self.store = StoreOptions(**dict(self.store))
+        if self.shard_size < 1:
+            raise ValueError(f"extract.shard_size must be >= 1, not {self.shard_size}")
+        if self.max_batch_tokens < 1 or self.max_batch_rows < 1:
+            raise ValueError("extract.max_batch_tokens and extract.max_batch_rows must be >= 1")
+        if self.verify_resume not in ("header", "full"):
+            raise ValueError(f"extract.verify_resume must be 'header' or 'full', not {self.verify_resume!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ExtractConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown extract settings {unknown}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+
+@dataclass
+class ExtractResult:
+    """What an extraction run did."""
+
+    out_dir: Path
+    num_shards: int
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    shards_written: int
+    """Shards computed by this run (the rest were already in the store)."""
+    shards_skipped: int
+    bytes: int
+    """Total size of the shards on disk."""
+    bytes_per_token: BytesPerToken
+    computed_tokens: int
+    """Tokens run through the target by this run."""
+    seconds: float
+    """Wall time of this run."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.computed_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+# -- features of a list of samples (shared with the online mode) -------------------------------------------------
+@dataclass
+class FeatureBlock:
+    """Encoded features of consecutive samples, concatenated along the token axis (a shard's tensors)."""
+
+    tensors: dict[str, torch.Tensor]
+    """input_ids [N] int32, loss_mask [N] uint8, offsets [S+1] int64 and the codec's feature tensors [N, ...]."""
+    sample_ids: list[str]
+    feature_names: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    def rows(self, i: int) -> SampleRows:
+        return rows_of(self.tensors, self.tensors["offsets"], i, self.sample_ids[i], self.feature_names)
+
+
+def plan_microbatches(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Indices grouped longest-first so that ``rows * longest <= max_tokens`` (empty samples are left out)."""
+    order = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: (-int(lengths[i]), i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and ((len(cur) + 1) * int(lengths[cur[0]]) > max_tokens or len(cur) >= max_rows):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _pad_id(target) -> int:
+    tok = getattr(target, "tokenizer", None)
+    for attr in ("pad_token_id", "eos_token_id"):
+        v = getattr(tok, attr, None)
+        if isinstance(v, int):
+            return v
+    return 0
+
+
+@torch.inference_mode()
+def compute_features(
+    target,
+    samples: Sequence[Sample],
+    codec: FeatureCodec,
+    *,
+    max_batch_tokens: int = 16384,
+    max_batch_rows: int = 256,
+    on_progress: Callable[[int, int], None] | None = None,
+    out_device: torch.device | str = "cpu",
+) -> FeatureBlock:
+    """Run ``target`` over ``samples`` (length-sorted, padding-aware micro-batches) and encode the features.
+
+    Returns them in input order on ``out_device``. ``on_progress(samples, tokens)`` is called after each
+    micro-batch.
+    """
+    lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n = int(offsets[-1])
+    ids = (
+        torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in samples]))
+        if n
+        else torch.zeros(0, dtype=torch.long)
+    )
+    mask = (
+        torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples]))
+        if n
+        else torch.zeros(0, dtype=torch.uint8)
+    )
+    if n and (int(ids.min()) < 0 or int(ids.max()) >= codec.vocab_size):
+        bad = next(
+            s
+            for s in samples
+            if s.input_ids and (min(s.input_ids) < 0 or max(s.input_ids) >= codec.vocab_size)
+        )
+        raise ValueError(
+            f"sample {bad.id!r} has token ids outside the target's vocabulary [0, {codec.vocab_size}): was it "
+            "tokenized with another tokenizer?"
+        )
+    tensors: dict[str, torch.Tensor] = {
+        "input_ids": ids.to(out_device, torch.int32),
+        "loss_mask": (mask != 0).to(out_device, torch.uint8),
+        "offsets": torch.from_numpy(offsets),
+    }
+    for name in codec.feature_names:
+        spec = codec.specs[name]
+        tensors[name] = torch.empty((n, *spec.row_shape), dtype=spec.dtype, device=out_device)
+    pad = _pad_id(target)
+    dev = target.device
+    for mb in plan_microbatches(lengths, max_batch_tokens, max_batch_rows):
+        lens = torch.from_numpy(lengths[mb])
+        valid = torch.arange(int(lens[0]))[None, :] < lens[:, None]  # [B, T], rows longest first
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in mb])  # store rows, row-major
+        batch = torch.full(valid.shape, pad, dtype=torch.long)
+        batch[valid] = ids[rows]
+        out = target.forward(batch.to(dev), logits="none")
+        v = valid.to(dev)
+        aux, hidden = out.aux[v], out.hidden[v]  # [n_mb, A*H], [n_mb, H]
+        finite = torch.isfinite(aux).all(-1) & torch.isfinite(hidden).all(-1)  # [n_mb]
+        if not bool(finite.all()):
+            ends = np.cumsum(lengths[mb])
+            bad = (~finite).nonzero()[:, 0].cpu().numpy()
+            culprits = sorted({samples[mb[j]].id for j in np.searchsorted(ends, bad, side="right")})
+            raise FloatingPointError(
+                f"target produced non-finite hidden states for samples {culprits[:5]}; run the target in a wider "
+                "dtype (target.dtype=bfloat16 or float32) or drop these samples"
+            )
+        enc = codec.encode(aux, hidden, head=target.head)
+        dst = rows.to(out_device)
+        for name, t in enc.items():
+            tensors[name][dst] = t.to(out_device)
+        if on_progress is not None:
+            on_progress(len(mb), int(lens.sum()))
+    return FeatureBlock(
+        tensors=tensors, sample_ids=[s.id for s in samples], feature_names=codec.feature_names
+    )
+
+
+def inputs_fingerprint(samples: Iterable[Sample]) -> str:
+    """sha256 over the samples' ids, token ids and loss masks (what a shard was made from)."""
+    h = hashlib.sha256()
+    for s in samples:
+        sid = s.id.encode()
+        h.update(len(sid).to_bytes(8, "little") + sid + len(s.input_ids).to_bytes(8, "little"))
+        h.update(np.asarray(s.input_ids, dtype=np.int64).tobytes())
+        h.update(np.asarray(s.loss_mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def codec_for(target, options: StoreOptions) -> FeatureCodec:
+    info = target.info
+    return FeatureCodec(
+        options, hidden_size=info.hidden_size, num_aux=len(info.aux_layers), vocab_size=info.vocab_size
+    )
+
+
+# -- the job ------------------------------------------------------------------------------------------------------
+class _ShardWriter:
+    """Writes shards in order (optionally in one background thread) and rewrites the manifest after each."""
+
+    def __init__(self, out_dir: Path, manifest: Manifest, threaded: bool):
+        self.out_dir = out_dir
+        self.manifest = manifest
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") if threaded else None
+        self.pending: Future | None = None
+        kill = os.environ.get(KILL_HOOK_ENV)
+        self.kill_at = int(kill) if kill else None
+        self.written = 0
+
+    def submit(self, index: int, block: FeatureBlock, inputs_sha: str) -> None:
+        self.wait()  # at most one shard in flight
+        if self.pool is None:
+            self._write(index, block, inputs_sha)
+        else:
+            self.pending = self.pool.submit(self._write, index, block, inputs_sha)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            fut, self.pending = self.pending, None
+            fut.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+
+    def _write(self, index: int, block: FeatureBlock, inputs_sha: str) -> None:
+        name = shard_name(index)
+        tmp = self.out_dir / (name + ".tmp")
+        written = write_safetensors(tmp, block.tensors, shard_metadata(index, block.sample_ids))
+        if self.kill_at == index:
+            os.truncate(tmp, written.bytes // 2)  # a half-written temp file, as a real crash would leave
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.replace(tmp, self.out_dir / name)
+        fsync_dir(self.out_dir)
+        entry = ShardEntry(
+            file=name,
+            sha256=written.sha256,
+            bytes=written.bytes,
+            num_samples=len(block.sample_ids),
+            num_tokens=block.num_tokens,
+            num_loss_tokens=int(block.tensors["loss_mask"].sum()),
+            inputs_sha256=inputs_sha,
+        )
+        shards = self.manifest.shards
+        if index < len(shards):
+            shards[index] = entry
+        elif index == len(shards):
+            shards.append(entry)
+            self.manifest.complete = False  # growing: complete again only once the input is exhausted
+        else:  # never: shards are written in order
+            raise AssertionError(f"shard {index} written before shard {len(shards)}")
+        self.manifest.save(self.out_dir)
+        self.written += 1
+        log.debug(
+            "wrote %s (%d samples, %d tokens, %d bytes)",
+            name,
+            entry.num_samples,
+            entry.num_tokens,
+            entry.bytes,
+        )
+
+
+def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
+    it = iter(samples)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def _open_for_writing(out_dir: Path, fresh: Manifest) -> Manifest:
+    """The manifest to continue: the existing one (checked against ``fresh``) or ``fresh`` (saved)."""
+    if (out_dir / MANIFEST).exists():
+        old = Manifest.load(out_dir)
+        check_target(old.target, fresh.target, where=f"feature store {out_dir}")
+        a, b = old.identity(), fresh.identity()
+        diff = [k for k in a if a[k] != b[k]]
+        if diff:
+            parts = "; ".join(f"{k}: store {a[k]!r}, this run {b[k]!r}" for k in diff)
+            raise StoreConfigError(
+                f"{out_dir} holds a feature store made with different settings ({parts}). Nothing was "
+                "changed: use another extract.out_dir, or rerun with the store's settings to resume it"
+            )
+        if old.run != fresh.run:
+            log.warning(
+                "resuming %s with run settings %s (store started with %s): new shards may differ in the last "
+                "bits from an uninterrupted run",
+                out_dir,
+                fresh.run,
+                old.run,
+            )
+        return old
+    stray = [p.name for p in out_dir.iterdir() if not (p.name.endswith(".tmp") or p.name == ".lock")]
+    if stray:
+        raise StoreConfigError(
+            f"{out_dir} is not empty and holds no {MANIFEST} ({', '.join(sorted(stray)[:5])}...): refusing to "
+            "write a feature store there; pick an empty or new extract.out_dir"
+        )
+    fresh.save(out_dir)
+    return fresh
+
+
+def extract(
+    samples: Iterable[Sample], target, out_dir: str | os.PathLike, cfg: ExtractConfig | None = None
+) -> ExtractResult:
+    """Write (or resume) the feature store of ``samples`` under ``target`` at ``out_dir``; see the module doc."""
+    cfg = cfg or ExtractConfig()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    codec = codec_for(target, cfg.store)
+    fresh = Manifest(
+        target=target.info.to_dict(),
+        target_dtype=str(target.dtype).removeprefix("torch."),
+        options=cfg.store.to_dict(),
+        shard_size=cfg.shard_size,
+        run={"max_batch_tokens": cfg.max_batch_tokens, "max_batch_rows": cfg.max_batch_rows},
+    )
+    lock = FileLock(str(out_dir / ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout as e:
+        raise StoreError(
+            f"another extraction is writing to {out_dir} (lock {out_dir / '.lock'} is held)"
+        ) from e
+    try:
+        return _extract_locked(samples, target, out_dir, cfg, codec, fresh)
+    finally:
+        lock.release()
+
+
+def _extract_locked(
+    samples, target, out_dir: Path, cfg: ExtractConfig, codec: FeatureCodec, fresh: Manifest
+) -> ExtractResult:
+    t0 = time.perf_counter()
+    for tmp in out_dir.glob("*.tmp"):
+        tmp.unlink()  # a killed job's partial shard or manifest: never listed, never read
+    manifest = _open_for_writing(out_dir, fresh)
+    listed = len(manifest.shards)
+    report = verify_store(out_dir, full=cfg.verify_resume == "full", raise_errors=False, manifest=manifest)
+    damaged = set(report.missing) | set(report.corrupt)
+    redo = {k for k, s in enumerate(manifest.shards) if s.file in damaged}
+    if redo:
+        log.warning(
+            "re-extracting %d listed shard(s) that are missing or damaged: %s", len(redo), sorted(redo)
+        )
+    if listed:
+        log.info("resuming %s: %d shard(s) already written", out_dir, listed - len(redo))
+    total = len(samples) if hasattr(samples, "__len__") else None
+    bar = tqdm(
+        total=total,
+        unit="sample",
+        desc=f"extract {cfg.store.label}",
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+    )
+    writer = _ShardWriter(out_dir, manifest, cfg.writer_thread)
+    computed_tokens = 0
+    num_chunks = 0
+
+    def progress(n_samples: int, n_tokens: int) -> None:
+        nonlocal computed_tokens
+        computed_tokens += n_tokens
+        bar.update(n_samples)
+        bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - t0, 1e-9):.0f}", refresh=False)
+
+    try:
+        for k, chunk in enumerate(_chunks(samples, cfg.shard_size)):
+            num_chunks = k + 1
+            sha = inputs_fingerprint(chunk)
+            if k < listed and k not in redo:
+                if manifest.shards[k].inputs_sha256 != sha:
+                    raise StoreConfigError(
+                        f"the input samples of shard {k} ({manifest.shards[k].file}) differ from those it was "
+                        f"extracted from (first sample now {chunk[0].id!r}): the input changed since the store at "
+                        f"{out_dir} was started. Use a new extract.out_dir for new data"
+                    )
+                bar.update(len(chunk))
+                continue
+            if k < listed and manifest.shards[k].inputs_sha256 != sha:
+                raise StoreConfigError(f"the input samples of shard {k} changed since {out_dir} was started")
+            block = compute_features(
+                target,
+                chunk,
+                codec,
+                max_batch_tokens=cfg.max_batch_tokens,
+                max_batch_rows=cfg.max_batch_rows,
+                on_progress=progress,
+            )
+            writer.submit(k, block, sha)
+        writer.wait()
+    finally:
+        writer.close()
+        bar.close()
+    if num_chunks < len(manifest.shards):
+        raise StoreConfigError(
+            f"{out_dir} holds {len(manifest.shards)} shards but the input now fills only {num_chunks}: the input "
+            "changed since the store was started"
+        )
+    if not manifest.complete:
+        manifest.complete = True
+        manifest.save(out_dir)
+    d = manifest.to_dict()
+    tot = d["totals"]
+    result = ExtractResult(
+        out_dir=out_dir,
+        num_shards=tot["num_shards"],
+        num_samples=tot["num_samples"],
+        num_tokens=tot["num_tokens"],
+        num_loss_tokens=tot["num_loss_tokens"],
+        shards_written=writer.written,
+        shards_skipped=tot["num_shards"] - writer.written,
+        bytes=tot["bytes"],
+        bytes_per_token=codec.bytes_per_token(),
+        computed_tokens=computed_tokens,
+        seconds=time.perf_counter() - t0,
+    )
+    log.info(
+        "feature store %s: %d samples, %d tokens in %d shards (%d written now), %.0f bytes/token (%.2fx the 4H bf16 "
+        "anchor), %.0f tokens/s",
+        out_dir,
+        result.num_samples,
+        result.num_tokens,
+        result.num_shards,
+        result.shards_written,
+        result.bytes_per_token.total,
+        result.bytes_per_token.ratio_to_anchor,
+        result.tokens_per_s,
+    )
+    return result
+
+
+# -- input: samples JSONL -------------------------------------------------------------------------------------------
+def read_samples_jsonl(path: str | os.PathLike) -> Iterator[Sample]:
+    """Samples from a JSONL file of ``{"id", "input_ids", "loss_mask", "source"?}`` records (streamed)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"samples file {path} does not exist (make it with the chat-formatting stage)"
+        )
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                yield Sample(
+                    id=str(rec["id"]),
+                    input_ids=[int(x) for x in rec["input_ids"]],
+                    loss_mask=[bool(x) for x in rec["loss_mask"]],
+                    source=str(rec.get("source", "")),
+                )
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(
+                    f"{path}:{lineno}: malformed sample record ({type(e).__name__}: {e}); expected "
+                    '{"id": str, "input_ids": [int], "loss_mask": [bool]}'
+                ) from e
+
+
+# -- entry point ----------------------------------------------------------------------------------------------------
+def run_from_config(cfg) -> ExtractResult:
+    """The Hydra job: ``cfg.target`` (TargetConfig fields) and ``cfg.extract`` (samples, out_dir, ExtractConfig)."""
+    from omegaconf import OmegaConf
+
+    from serving.target import TargetConfig, load_target
+
+    ex = OmegaConf.to_container(cfg.extract, resolve=True)
+    assert isinstance(ex, dict)
+    samples_path, out_dir = ex.pop("samples"), ex.pop("out_dir")
+    ecfg = ExtractConfig.from_dict(ex)
+    target = load_target(TargetConfig(**OmegaConf.to_container(cfg.target, resolve=True)))
+    return extract(read_samples_jsonl(samples_path), target, out_dir, ecfg)
+
+
+def _ensure_group_default(argv: list[str]) -> list[str]:
+    """Select ``extract=default`` when neither conf/config.yaml's defaults nor the command line pick one."""
+    if any(a.split("=")[0].lstrip("+~") == "extract" for a in argv[1:]):
+        return argv
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "config.yaml").get(
+        "defaults", []
+    )
+    if any(isinstance(d, Mapping) and "extract" in d for d in defaults):
+        return argv
+    return [*argv, "+extract=default"]
+
+
+def main() -> None:
+    import hydra
+
+    @hydra.main(config_path="../conf", config_name="config", version_base=None)
+    def _app(cfg) -> None:
+        res = run_from_config(cfg)
+        print(
+            json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(res).items()}, indent=1)
+        )
+
+    sys.argv = _ensure_group_default(sys.argv)
+    _app()
+
+
+if __name__ == "__main__":
+    main()

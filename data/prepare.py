@@ -1,0 +1,333 @@
+"""The data-preparation stage: corpus mixture → optional regeneration by the target → chat-formatted samples.
+
+``python -m data.prepare corpus=demo prepare.regenerate=true prepare.regen.max_new_tokens=256`` (Hydra app on
+``conf/config.yaml``; ``target=`` picks the model whose tokenizer and chat template are used).
+
+Design decisions:
+- The output directory is keyed by a hash of everything that shapes it (corpus config, prepare settings, the
+  tokenizer's fingerprint, and the target when regenerating), so a rerun with the same config reuses a finished
+  directory and resumes an unfinished one (regeneration appends per batch and skips finished ids).
+- Layout, per split (``train``/``eval``): ``conversations.jsonl`` (DESIGN.md records; the regenerated ones when
+  regenerating) and ``samples.jsonl`` (``{"id", "source", "input_ids", "loss_mask"}``, mask as 0/1, the input
+  of ``data.extract``); plus ``corpus.json`` (resolved config and per-source stats, ShareGPT recovery included)
+  and ``summary.json`` (counts, skips, regeneration tokens/s), written last as the "done" marker. Files are
+  written to a temporary name and renamed, so a crash never leaves a half file under a final name.
+- The logic is :func:`prepare`; the Hydra ``main`` only converts the config and loads the target (the
+  tokenizer alone when not regenerating).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data.chat import FormatStats, format_conversations
+from data.corpora import SPLITS, CorpusConfig, CorpusSplits, corpus_config_from_dict, iter_jsonl, load_corpus
+from data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
+from data.types import Conversation, Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrepareConfig:
+    """The data-preparation stage (``conf/prepare``) together with the corpus it reads (``conf/corpus``)."""
+
+    corpus: CorpusConfig
+    """The corpus mixture."""
+    out_dir: str | None = None
+    """Output directory; None: ``<work_dir>/prepare/<config hash>``."""
+    work_dir: str = "runs"
+    """Root of stage outputs (used when ``out_dir`` is None)."""
+    max_len: int = 2048
+    """Tokens per sample; longer samples are truncated (the loss mask with them)."""
+    regenerate: bool = False
+    """Replace the assistant turns with the target's own answers before formatting."""
+    regen: RegenerateConfig = field(default_factory=RegenerateConfig)
+    """How to regenerate."""
+    progress: bool = True
+    """Show tqdm progress bars."""
+    threads: int | None = None
+    """CPU threads for torch (None: torch's default). On a CPU shared with other jobs, 1 thread avoids OpenMP
+    spin-waits that made 2-thread decoding several times slower than 1 thread (measured on a 2-core machine)."""
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"prepare.threads must be >= 1 or null, not {self.threads}")
+        if self.max_len < 2:
+            raise ValueError(f"prepare.max_len must be >= 2, not {self.max_len}")
+        if isinstance(self.regen, dict):
+            self.regen = RegenerateConfig(**self.regen)
+
+
+@dataclass
+class SplitResult:
+    """What was written for one split."""
+
+    conversations: int
+    samples: int
+    tokens: int
+    loss_tokens: int
+    format: FormatStats
+    regen: RegenerateResult | None = None
+    conversations_path: str = ""
+    samples_path: str = ""
+
+
+@dataclass
+class PrepareResult:
+    """The stage's outcome (also in ``summary.json``)."""
+
+    out_dir: Path
+    splits: dict[str, SplitResult]
+    corpus_stats: list[dict[str, Any]]
+    reused: bool = False
+    """True when a finished directory with the same config hash was found and nothing was recomputed."""
+
+    def samples_path(self, split: str = "train") -> Path:
+        return self.out_dir / split / "samples.jsonl"
+
+    def to_dict(self) -> dict[str, Any]:
+        splits = {}
+        for name, s in self.splits.items():
+            d = asdict(s)
+            d["regen"] = s.regen.to_dict() if s.regen else None
+            splits[name] = d
+        return {"out_dir": str(self.out_dir), "splits": splits, "corpus_stats": self.corpus_stats}
+
+
+# -- io ----------------------------------------------------------------------------------------------------------
+def _write_jsonl_atomic(path: Path, records) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+    tmp.replace(path)
+
+
+def sample_record(s: Sample) -> dict[str, Any]:
+    return {
+        "id": s.id,
+        "source": s.source,
+        "input_ids": s.input_ids,
+        "loss_mask": [int(m) for m in s.loss_mask],
+    }
+
+
+def read_samples(path: str | os.PathLike) -> list[Sample]:
+    """The samples of a ``samples.jsonl`` written by this stage."""
+    return [
+        Sample(
+            id=str(r["id"]),
+            input_ids=list(r["input_ids"]),
+            loss_mask=[bool(m) for m in r["loss_mask"]],
+            source=str(r.get("source", "")),
+        )
+        for _, r in iter_jsonl(path)
+    ]
+
+
+def read_conversations(path: str | os.PathLike) -> list[Conversation]:
+    return [Conversation.from_record(r) for _, r in iter_jsonl(path)]
+
+
+# -- the stage ---------------------------------------------------------------------------------------------------
+def config_hash(cfg: PrepareConfig, tokenizer_fingerprint: str, target_name: str | None) -> str:
+    """What the output depends on: corpus, formatting and regeneration settings, tokenizer (and target)."""
+    key = {
+        "corpus": asdict(cfg.corpus),
+        "max_len": cfg.max_len,
+        "regenerate": asdict(cfg.regen)
+        if cfg.regenerate
+        else None,  # threads/progress do not change the output
+        "tokenizer": tokenizer_fingerprint,
+        "target": target_name if cfg.regenerate else None,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult:
+    """Run the stage. ``target`` (a :class:`serving.target.Target`) is needed to regenerate; otherwise its
+    tokenizer, or ``tokenizer`` alone, is enough."""
+    from serving.target import tokenizer_hash
+
+    if cfg.regenerate and target is None:
+        raise ValueError("prepare.regenerate=true needs the target model (pass target=load_target(...))")
+    tok = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
+    if tok is None:
+        raise ValueError("prepare needs the target's tokenizer: pass target= or tokenizer=")
+    name = target.info.name if target is not None else None
+    out = (
+        Path(cfg.out_dir)
+        if cfg.out_dir
+        else Path(cfg.work_dir) / "prepare" / config_hash(cfg, tokenizer_hash(tok), name)
+    )
+    summary_path = out / "summary.json"
+    if summary_path.exists():
+        log.info("prepare: reusing the finished output in %s", out)
+        return _result_from_summary(out, json.loads(summary_path.read_text()))
+    out.mkdir(parents=True, exist_ok=True)
+
+    corpus: CorpusSplits = load_corpus(cfg.corpus)
+    corpus_stats = [s.to_dict() for s in corpus.stats]
+    _write_json_atomic(out / "corpus.json", {"config": asdict(cfg.corpus), "stats": corpus_stats})
+    splits: dict[str, SplitResult] = {}
+    for split in SPLITS:
+        convs = corpus.train if split == "train" else corpus.eval
+        d = out / split
+        d.mkdir(exist_ok=True)
+        conv_path = d / "conversations.jsonl"
+        regen_path = d / "regenerate.json"
+        regen_res = None
+        if conv_path.exists():  # an earlier run of this config finished this step
+            convs = read_conversations(conv_path)
+            if regen_path.exists():
+                regen_res = _regen_result(json.loads(regen_path.read_text()))
+        elif cfg.regenerate and convs:
+            # appended per batch under a working name: a restart resumes it; renamed once complete
+            partial = d / "conversations.partial.jsonl"
+            regen_res = regenerate(convs, target, cfg.regen, partial, progress=cfg.progress)
+            by_id = {c.id: c for c in read_regenerated(partial)}
+            convs = [by_id[c.id] for c in convs if c.id in by_id]  # corpus order, not generation order
+            _write_json_atomic(regen_path, regen_res.to_dict())
+            _write_jsonl_atomic(conv_path, (c.to_record() for c in convs))
+            partial.unlink()
+        else:
+            _write_jsonl_atomic(conv_path, (c.to_record() for c in convs))
+        fmt = format_conversations(convs, tok, cfg.max_len, progress=cfg.progress)
+        samples_path = d / "samples.jsonl"
+        _write_jsonl_atomic(samples_path, (sample_record(s) for s in fmt.samples))
+        splits[split] = SplitResult(
+            conversations=len(convs),
+            samples=len(fmt.samples),
+            tokens=fmt.stats.tokens,
+            loss_tokens=fmt.stats.loss_tokens,
+            format=fmt.stats,
+            regen=regen_res,
+            conversations_path=str(conv_path),
+            samples_path=str(samples_path),
+        )
+    result = PrepareResult(out_dir=out, splits=splits, corpus_stats=corpus_stats)
+    _write_json_atomic(summary_path, result.to_dict())
+    return result
+
+
+def _result_from_summary(out: Path, d: dict[str, Any]) -> PrepareResult:
+    splits = {}
+    for name, s in d["splits"].items():
+        regen = _regen_result(s["regen"]) if s.get("regen") else None
+        splits[name] = SplitResult(**{**s, "format": FormatStats(**s["format"]), "regen": regen})
+    return PrepareResult(out_dir=out, splits=splits, corpus_stats=d["corpus_stats"], reused=True)
+
+
+def _regen_result(d: dict[str, Any]) -> RegenerateResult:
+    r = {k: v for k, v in d.items() if k != "tokens_per_s"}
+    return RegenerateResult(**{**r, "path": Path(r["path"])})
+
+
+def format_summary(res: PrepareResult) -> str:
+    """A human-readable summary of the stage's result."""
+    lines = [f"prepare: {res.out_dir}{' (reused)' if res.reused else ''}"]
+    for st in res.corpus_stats:
+        skipped = sum(st["skipped"].values())
+        lines.append(
+            f"  source {st['name']}: read {st['read']}, train {st['kept']['train']}, eval "
+            f"{st['kept']['eval']}, skipped {skipped}, duplicates {st['duplicates']}"
+        )
+        for ja in st.get("json_array", []):
+            if ja["truncated"] or ja["damaged_at_bytes"]:
+                lines.append(
+                    f"    recovered {ja['records']} records from {Path(ja['path']).name}: truncated at byte "
+                    f"{ja['truncated_at_byte']:,}, last complete record ends at byte "
+                    f"{ja['last_record_end_byte']:,}"
+                )
+    for name, s in res.splits.items():
+        f = s.format
+        skips = (
+            f.skipped_empty
+            + f.skipped_no_assistant
+            + f.skipped_template_error
+            + f.skipped_unmaskable
+            + f.skipped_truncated_no_loss
+        )
+        lines.append(
+            f"  {name}: {s.samples} samples from {s.conversations} conversations, {s.tokens:,} tokens, "
+            f"{s.loss_tokens:,} loss-masked ({s.loss_tokens / max(1, s.tokens):.0%}); skipped {skips} "
+            f"(empty {f.skipped_empty}, no assistant {f.skipped_no_assistant}, template "
+            f"{f.skipped_template_error}, unmaskable {f.skipped_unmaskable}, all-truncated "
+            f"{f.skipped_truncated_no_loss}); truncated {f.truncated}"
+        )
+        if s.regen:
+            r = s.regen
+            lines.append(
+                f"    regenerated {r.written} conversations ({r.already_done} already done), {r.turns} "
+                f"turns, {r.generated_tokens:,} tokens at {r.tokens_per_s:.1f} tok/s; finish {r.finish}"
+            )
+    return "\n".join(lines)
+
+
+# -- entry point -------------------------------------------------------------------------------------------------
+def prepare_config_from_hydra(cfg) -> PrepareConfig:
+    """``cfg.prepare`` + ``cfg.corpus`` (+ ``cfg.work_dir``) of the Hydra config as a :class:`PrepareConfig`."""
+    from omegaconf import OmegaConf
+
+    p = OmegaConf.to_container(cfg.prepare, resolve=True)
+    corpus = corpus_config_from_dict(OmegaConf.to_container(cfg.corpus, resolve=True))
+    return PrepareConfig(corpus=corpus, work_dir=str(cfg.get("work_dir", "runs")), **p)
+
+
+def load_tokenizer(tcfg):
+    """The tokenizer of the target described by ``tcfg`` (a ``TargetConfig``), without loading the model."""
+    from transformers import AutoTokenizer
+
+    from serving.embedded import convert_gguf
+    from serving.target import _resolve_source
+
+    path, gguf_file, _ = _resolve_source(tcfg)
+    if gguf_file is not None:
+        path = str(convert_gguf(Path(path), gguf_file))
+    kwargs: dict[str, Any] = {"trust_remote_code": tcfg.trust_remote_code}
+    if tcfg.revision and not Path(path).exists():
+        kwargs["revision"] = tcfg.revision
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def _hydra_main() -> None:
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+
+    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    def main(cfg: DictConfig) -> None:
+        from serving.target import TargetConfig, load_target
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        pcfg = prepare_config_from_hydra(cfg)
+        if pcfg.threads:
+            import torch
+
+            torch.set_num_threads(pcfg.threads)
+        tcfg = TargetConfig(**OmegaConf.to_container(cfg.target, resolve=True))
+        if pcfg.regenerate:
+            res = prepare(pcfg, load_target(tcfg))
+        else:
+            res = prepare(pcfg, tokenizer=load_tokenizer(tcfg))
+        print(format_summary(res))
+
+    main()
+
+
+if __name__ == "__main__":
+    _hydra_main()

@@ -1,0 +1,778 @@
+"""Export an EAGLE-3 drafter in the formats SGLang and vLLM load unchanged, and load such an export back.
+
+Design decisions (what each consumer does was read from its source; see the report of the change that added
+this file for file and line):
+- Two formats. ``sglang``: ``config.json`` with ``architectures: ["LlamaForCausalLMEagle3"]`` and tensors named
+  as :class:`serving.drafter.Eagle3Drafter` names them (``midlayer.*``); SGLang's ``LlamaForCausalLMEagle3`` and
+  vLLM's ``Eagle3LlamaForCausalLM`` both load it. ``speculators``: the vLLM ``speculators`` library's Eagle-3
+  format (``speculators_model_type: "eagle3"``, a ``transformer_layer_config``, ``layers.0.*`` tensor names),
+  which vLLM detects and converts on load.
+- Aux layer ids. SGLang id ``i`` is the output of decoder layer ``i``; vLLM/speculators id ``i`` is the *input*
+  of layer ``i`` (vLLM captures ``hidden_states + residual`` before running layer ``i``), so speculators ids are
+  SGLang's + 1. The SGLang config carries SGLang ids in ``eagle_config`` (the only place SGLang reads them) and,
+  by default, vLLM-convention ids at the top level (the place vLLM reads first), so one directory serves both.
+- ``norm_before_residual: false`` is written explicitly in the speculators config: vLLM defaults a missing key
+  to ``True``, which would silently change the block (this drafter keeps the un-normed hidden as residual).
+- The embedding. SGLang always replaces the drafter's embedding with the target's (``set_embed``); vLLM shares
+  the target's when the checkpoint has none (or an identical one); the speculators library ignores a missing
+  ``embed_tokens.weight`` on load and leaves it at its initial values, and its own converter adds the
+  verifier's embedding. So: not exported for ``sglang`` (DESIGN.md), exported for ``speculators`` (the
+  directory is then complete for every speculators-format reader); :attr:`ExportConfig.include_embedding`
+  overrides both.
+- Rope: both the transformers-v5 ``rope_parameters`` and the classic ``rope_theta`` / ``rope_scaling`` keys are
+  written, with the target's values and a ``max_position_embeddings`` no smaller than the target's. SGLang's and
+  vLLM's ``yarn`` scale cos/sin by ``(0.1 ln factor + 1) × attn_factor`` and ignore ``mscale`` /
+  ``mscale_all_dim``, while transformers (whose rope the drafter trains with) uses their ratio (1.0 for
+  DeepSeek-V3 / Kimi-K2); so ``rope_scaling`` also carries the ``attn_factor`` that makes the two agree.
+- dtype: ``torch_dtype`` and ``dtype`` both written. Float tensors are cast to :attr:`ExportConfig.dtype`;
+  ``d2t`` stays int64 and ``t2d`` bool.
+- Every check runs before anything is written; the directory is written under a temporary name and renamed
+  into place, so a failed export never leaves a half-written checkpoint or destroys an earlier one.
+- ``eyas_export.json`` beside the checkpoint records what produced it (target name, tokenizer hash, SGLang aux
+  ids, embed scale); no server reads it, and :func:`load_exported` works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("sglang", "speculators")
+SGLANG_ARCH = "LlamaForCausalLMEagle3"
+SPECULATORS_ARCH = "Eagle3Speculator"
+EYAS_SIDECAR = "eyas_export.json"
+WEIGHTS = "model.safetensors"
+EMBED = "embed_tokens.weight"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class ExportError(ValueError):
+    """A drafter, target description or directory that would give a checkpoint servers mis-load."""
+
+
+@dataclass
+class ExportConfig:
+    """How to write an exported drafter."""
+
+    fmt: str = "sglang"
+    """``sglang`` (``LlamaForCausalLMEagle3``; SGLang and vLLM load it) or ``speculators`` (vLLM's format)."""
+    dtype: str = "bfloat16"
+    """dtype of the floating-point tensors written: ``bfloat16``, ``float16`` or ``float32``."""
+    include_embedding: bool | None = None
+    """Write ``embed_tokens.weight`` (the target's). None: no for ``sglang``, yes for ``speculators``."""
+    speculative_tokens: int = 3
+    """speculators format only: draft length of the greedy proposal (vLLM's default ``num_speculative_tokens``)."""
+    vllm_aux_ids: bool = True
+    """sglang format only: also write top-level ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention."""
+    verifier: str | None = None
+    """speculators format only: ``verifier.name_or_path``, the target as readers can load it (the speculators
+    library loads its config and lm_head from there). Default: the target's hub id, else its local directory."""
+    allow_embed_scale: bool = False
+    """Allow a drafter that scales its embedding (Gemma). SGLang/vLLM's Llama EAGLE-3 never scale it, so such an
+    export runs slightly differently there (``input_layernorm`` removes the scale up to its epsilon)."""
+    overwrite: bool = False
+    """Replace an existing non-empty output directory (after the new one is completely written)."""
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ExportError(f"export format must be one of {FORMATS}, not {self.fmt!r}")
+        if self.dtype not in _DTYPES:
+            raise ExportError(f"export dtype must be one of {tuple(_DTYPES)}, not {self.dtype!r}")
+        if self.speculative_tokens < 1:
+            raise ExportError("speculative_tokens must be at least 1")
+
+    @property
+    def embedding_included(self) -> bool:
+        return self.fmt == "speculators" if self.include_embedding is None else bool(self.include_embedding)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """What export needs to know about the target; build with :meth:`from_target` or :meth:`from_config`."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    """Rows of the target's input embedding (``config.vocab_size``)."""
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any]
+    """transformers-style rope settings of the target's full-attention layers."""
+    architectures: tuple[str, ...] = ()
+    model_type: str = "unknown"
+    tokenizer_hash: str | None = None
+    revision: str | None = None
+    aux_layers: tuple[int, ...] | None = None
+    """The aux layers the target runner captured (SGLang ids), when known; must match the drafter's."""
+    embedding: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """The target's input embedding table, when available (written when the embedding is exported)."""
+    source: str | None = None
+    """Where the target was loaded from (hub id or local directory; transformers' ``_name_or_path``)."""
+
+    @classmethod
+    def from_config(
+        cls,
+        config,
+        *,
+        name: str | None = None,
+        tokenizer_hash: str | None = None,
+        revision: str | None = None,
+        aux_layers=None,
+        embedding: torch.Tensor | None = None,
+    ):
+        """From a transformers config of the target (any architecture; multimodal configs use the text part)."""
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        missing = [
+            k
+            for k in ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings")
+            if getattr(c, k, None) is None
+        ]
+        if missing:
+            raise ExportError(
+                f"target config lacks {missing}; export needs them to write the drafter's config"
+            )
+        return cls(
+            name=name or str(getattr(config, "_name_or_path", "") or getattr(c, "model_type", "target")),
+            num_layers=int(c.num_hidden_layers),
+            hidden_size=int(c.hidden_size),
+            vocab_size=int(c.vocab_size),
+            max_position_embeddings=int(c.max_position_embeddings),
+            rope_parameters=_rope_parameters(c),
+            architectures=tuple(getattr(config, "architectures", None) or ()),
+            model_type=str(getattr(c, "model_type", "unknown")),
+            tokenizer_hash=tokenizer_hash,
+            revision=revision,
+            aux_layers=None if aux_layers is None else tuple(int(i) for i in aux_layers),
+            embedding=embedding,
+            source=str(getattr(config, "_name_or_path", "") or "") or None,
+        )
+
+    @classmethod
+    def from_target(cls, target) -> TargetSpec:
+        """From a loaded :class:`serving.target.Target` (carries its embedding and tokenizer hash)."""
+        info = target.info
+        return cls.from_config(
+            target.model.config,
+            name=info.name,
+            tokenizer_hash=info.tokenizer_hash,
+            revision=info.revision,
+            aux_layers=info.aux_layers,
+            embedding=target.model.get_input_embeddings().weight,
+        )
+
+    @classmethod
+    def from_info(cls, info, config, embedding: torch.Tensor | None = None) -> TargetSpec:
+        """From a :class:`serving.target.TargetInfo` (e.g. a feature-store manifest) plus the target's config."""
+        return cls.from_config(
+            config,
+            name=info.name,
+            tokenizer_hash=info.tokenizer_hash,
+            revision=info.revision,
+            aux_layers=info.aux_layers,
+            embedding=embedding,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "revision": self.revision,
+            "tokenizer_hash": self.tokenizer_hash,
+            "num_layers": self.num_layers,
+            "model_type": self.model_type,
+            "architectures": list(self.architectures),
+        }
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export` wrote."""
+
+    out_dir: Path
+    fmt: str
+    config: dict[str, Any]
+    tensor_names: list[str]
+    num_bytes: int
+    embedding_included: bool
+
+
+def target_spec(target) -> TargetSpec:
+    """Accept a :class:`TargetSpec`, a loaded Target, or a transformers config."""
+    if isinstance(target, TargetSpec):
+        return target
+    if hasattr(target, "info") and hasattr(target, "model"):
+        return TargetSpec.from_target(target)
+    if hasattr(target, "num_hidden_layers") or hasattr(target, "get_text_config"):
+        return TargetSpec.from_config(target)
+    raise ExportError(
+        f"cannot describe the target from a {type(target).__name__}; pass a loaded Target, a transformers "
+        "config, or TargetSpec.from_info(info, config)"
+    )
+
+
+# -- expected tensors -------------------------------------------------------------------------------------------
+def expected_tensors(
+    cfg: DrafterConfig, include_embedding: bool
+) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Names (eyas/SGLang naming) and shapes of the tensors an export holds; dtype None = any floating type."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
+        "fc.weight": ((h, cfg.fc_in_features), None),
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), None),
+        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), None),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), None),
+        "midlayer.self_attn.o_proj.weight": ((h, q), None),
+        "midlayer.mlp.gate_proj.weight": ((cfg.intermediate_size, h), None),
+        "midlayer.mlp.up_proj.weight": ((cfg.intermediate_size, h), None),
+        "midlayer.mlp.down_proj.weight": ((h, cfg.intermediate_size), None),
+        "midlayer.input_layernorm.weight": ((h,), None),
+        "midlayer.hidden_norm.weight": ((h,), None),
+        "midlayer.post_attention_layernorm.weight": ((h,), None),
+        "norm.weight": ((h,), None),
+        "lm_head.weight": ((cfg.draft_vocab_size, h), None),
+        "d2t": ((cfg.draft_vocab_size,), torch.int64),
+        "t2d": ((cfg.vocab_size,), torch.bool),
+    }
+    if include_embedding:
+        out[EMBED] = ((cfg.vocab_size, h), None)
+    return out
+
+
+def check_tensors(
+    tensors: dict[str, torch.Tensor], cfg: DrafterConfig, include_embedding: bool, where: str = "drafter"
+) -> list[str]:
+    """Problems (missing/extra keys, shapes, dtypes, non-finite values, vocab map) of a tensor set; [] if none."""
+    problems: list[str] = []
+    expected = expected_tensors(cfg, include_embedding)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        problems.append(f"{where}: missing tensors {missing}")
+    if extra:
+        problems.append(f"{where}: unexpected tensors {extra}")
+    for name, (shape, dtype) in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            problems.append(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {shape}")
+        if dtype is not None and t.dtype != dtype:
+            problems.append(f"{where}: {name} is {t.dtype}, must be {dtype}")
+        if dtype is None and not t.is_floating_point():
+            problems.append(f"{where}: {name} is {t.dtype}, must be floating point")
+        elif dtype is None and not bool(torch.isfinite(t).all()):
+            problems.append(f"{where}: {name} holds NaN or Inf values")
+    return problems + _check_vocab_map(tensors.get("d2t"), tensors.get("t2d"), cfg, where)
+
+
+def _check_vocab_map(d2t, t2d, cfg: DrafterConfig, where: str) -> list[str]:
+    if d2t is None or t2d is None or d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+        return []
+    if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
+        return []
+    ids = d2t + torch.arange(d2t.numel())  # target id of each draft id (SGLang's hot_token_id)
+    problems = []
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        bad = int(((ids < 0) | (ids >= cfg.vocab_size)).sum())
+        problems.append(
+            f"{where}: d2t maps {bad} draft ids outside the target vocabulary [0, {cfg.vocab_size})"
+        )
+        return problems
+    if ids.unique().numel() != ids.numel():
+        problems.append(
+            f"{where}: d2t maps {ids.numel() - ids.unique().numel()} draft ids onto target ids "
+            "already taken (target_id = draft_id + d2t[draft_id] must be distinct)"
+        )
+    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[ids].all()):
+        problems.append(
+            f"{where}: t2d (marks {int(t2d.sum())} target ids) disagrees with d2t + arange "
+            f"({cfg.draft_vocab_size} draft ids)"
+        )
+    return problems
+
+
+def _clean_rope(rope: dict[str, Any]) -> dict[str, Any]:
+    """transformers-v5 style: ``rope_type`` (never the legacy ``type``), no None values."""
+    out = {k: v for k, v in rope.items() if v is not None and k != "type"}
+    out.setdefault("rope_type", rope.get("type", "default"))
+    return out
+
+
+def _norm_rope(rope: dict[str, Any]) -> dict[str, Any]:
+    """For comparisons: numbers as floats (4096 == 4096.0)."""
+    return {
+        k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+        for k, v in _clean_rope(rope).items()
+    }
+
+
+def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -> list[str]:
+    """Problems with exporting this drafter for this target in this format; [] if none."""
+    c = drafter.config
+    problems: list[str] = []
+    n_aux = len(c.aux_layer_ids)
+    if n_aux != 3:
+        problems.append(f"the drafter fuses {n_aux} aux layers; SGLang and vLLM build fc for exactly 3")
+    bad = [i for i in c.aux_layer_ids if not 0 <= i < spec.num_layers]
+    if bad:
+        problems.append(
+            f"aux layer ids {bad} are outside the target's {spec.num_layers} layers "
+            f"(SGLang ids 0..{spec.num_layers - 1})"
+        )
+    if spec.aux_layers is not None and tuple(spec.aux_layers) != tuple(c.aux_layer_ids):
+        problems.append(
+            f"the drafter was built for aux layers {list(c.aux_layer_ids)} but the target runner "
+            f"captures {list(spec.aux_layers)}"
+        )
+    if c.hidden_size != spec.hidden_size:
+        problems.append(f"drafter hidden_size {c.hidden_size} != target's {spec.hidden_size}")
+    if c.vocab_size != spec.vocab_size:
+        problems.append(f"drafter vocab_size {c.vocab_size} != target's embedding rows {spec.vocab_size}")
+    if c.max_position_embeddings < spec.max_position_embeddings:
+        problems.append(
+            f"drafter max_position_embeddings {c.max_position_embeddings} is smaller than the "
+            f"target's {spec.max_position_embeddings}; long contexts would fall off its rope table"
+        )
+    if _norm_rope(c.rope_parameters) != _norm_rope(spec.rope_parameters):
+        problems.append(
+            f"drafter rope {_norm_rope(c.rope_parameters)} differs from the target's "
+            f"{_norm_rope(spec.rope_parameters)}"
+        )
+    if c.attention_bias:
+        problems.append("attention_bias drafters cannot be exported (SGLang's EAGLE-3 qkv has no bias)")
+    if c.hidden_act != "silu":
+        problems.append(f"hidden_act {c.hidden_act!r}: only silu drafters are supported")
+    if c.embed_scale != 1.0 and not cfg.allow_embed_scale:
+        problems.append(
+            f"the drafter scales its embedding by {c.embed_scale:g} ({spec.model_type}); SGLang/vLLM "
+            "never do, so the served drafter would differ slightly (set allow_embed_scale=True to "
+            "export anyway)"
+        )
+    if str(c.rope_parameters.get("rope_type", "default")).startswith("dynamic"):
+        problems.append("dynamic rope scaling cannot be exported")
+    return problems
+
+
+# -- config.json ------------------------------------------------------------------------------------------------
+def _rope_keys(c: DrafterConfig) -> dict[str, Any]:
+    rope = _clean_rope(c.rope_parameters)
+    theta = float(rope.get("rope_theta", 10000.0))
+    scaling = None
+    if rope["rope_type"] != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling["type"] = rope["rope_type"]  # pre-4.45 readers look for "type"
+        attn_factor = _yarn_attn_factor(rope)
+        if attn_factor is not None:
+            scaling["attn_factor"] = attn_factor
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_parameters": rope}
+
+
+def yarn_attention_factor(rope: dict[str, Any]) -> float:
+    """The cos/sin scale transformers' YaRN applies (what the eyas drafter trains with)."""
+    factor = float(rope["factor"])
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_attn_factor(rope: dict[str, Any]) -> float | None:
+    """``attn_factor`` making SGLang/vLLM's YaRN (cos/sin × ``(0.1 ln factor + 1) × attn_factor``, ignoring
+    ``mscale``/``mscale_all_dim``) scale like transformers' does; None when they already agree."""
+    if rope.get("rope_type") != "yarn" or not rope.get("factor"):
+        return None
+    ratio = yarn_attention_factor(rope) / _yarn_mscale(float(rope["factor"]))
+    return None if abs(ratio - 1.0) < 1e-12 else ratio
+
+
+def _llama_fields(c: DrafterConfig, dtype: str) -> dict[str, Any]:
+    """The Llama-config part both formats share: sizes, rope, positions, dtype."""
+    out = {
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    out.update(_rope_keys(c))
+    return out
+
+
+def sglang_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -> dict[str, Any]:
+    c = drafter.config
+    out: dict[str, Any] = {"architectures": [SGLANG_ARCH], **_llama_fields(c, cfg.dtype)}
+    out["draft_vocab_size"] = c.draft_vocab_size
+    if c.target_hidden_size != c.hidden_size:  # SGLang tests hasattr(), so the key must be absent when equal
+        out["target_hidden_size"] = c.target_hidden_size
+    out["eagle_config"] = {
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "use_aux_hidden_state": True,
+    }
+    if cfg.vllm_aux_ids:
+        out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in c.aux_layer_ids]
+    return out
+
+
+def speculators_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -> dict[str, Any]:
+    c = drafter.config
+    layer = _llama_fields(c, cfg.dtype)
+    out: dict[str, Any] = {
+        "architectures": [SPECULATORS_ARCH],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.aux_layer_ids],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": cfg.speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": _verifier_name(spec, cfg),
+                "architectures": list(spec.architectures),
+            },
+        },
+        "torch_dtype": cfg.dtype,
+        "dtype": cfg.dtype,
+    }
+    if c.target_hidden_size != c.hidden_size:
+        out["target_hidden_size"] = c.target_hidden_size
+    return out
+
+
+def _verifier_name(spec: TargetSpec, cfg: ExportConfig) -> str | None:
+    """speculators 0.9's ``Eagle3DraftModel.from_pretrained`` loads the verifier's config (and lm_head) from
+    this, so it must be loadable where the export is read: a hub id, else the local directory (with a warning)."""
+    if cfg.verifier is not None:
+        return cfg.verifier
+    for name in (spec.name, spec.source):
+        if name and re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not Path(name).exists():
+            return name
+    if spec.source and Path(spec.source).is_dir():
+        log.warning(
+            "speculators export: verifier.name_or_path is the local directory %s; set "
+            "ExportConfig.verifier to a hub id for a checkpoint that is read on another machine",
+            spec.source,
+        )
+        return spec.source
+    log.warning(
+        "speculators export: no loadable verifier for target %r; vLLM serves it, but the speculators "
+        "library's from_pretrained needs ExportConfig.verifier set",
+        spec.name,
+    )
+    return None
+
+
+# -- export -----------------------------------------------------------------------------------------------------
+def _to_speculators_name(name: str) -> str:
+    return "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
+
+
+def _from_speculators_name(name: str) -> str:
+    return "midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name
+
+
+def export(
+    drafter: Eagle3Drafter,
+    target,
+    out_dir: str | os.PathLike,
+    fmt: str | None = None,
+    *,
+    config: ExportConfig | None = None,
+    embedding: torch.Tensor | None = None,
+) -> ExportResult:
+    """Validate, then write ``drafter`` for ``target`` (Target, transformers config or :class:`TargetSpec`).
+
+    ``fmt`` overrides ``config.fmt``. ``embedding``: the target's input embedding, written when the embedding
+    is exported (default: the target's when ``target`` carries it, else the drafter's copy of it).
+    Raises :class:`ExportError` listing every problem before anything is written.
+    """
+    cfg = config or ExportConfig()
+    if fmt is not None and fmt != cfg.fmt:
+        cfg = ExportConfig(**{**cfg.__dict__, "fmt": fmt})
+    spec = target_spec(target)
+    out = Path(out_dir)
+    include = cfg.embedding_included
+
+    problems = check_compatibility(drafter, spec, cfg)
+    tensors = {k: v.detach().cpu() for k, v in drafter.trainable_state_dict().items()}
+    if include:
+        emb = embedding if embedding is not None else spec.embedding
+        if emb is None:
+            log.info("export: writing the drafter's copy of the target embedding (no target embedding given)")
+            emb = drafter.embed_tokens.weight
+        tensors[EMBED] = emb.detach().cpu()
+    problems += check_tensors(tensors, drafter.config, include)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.overwrite:
+        problems.append(f"{out} exists and is not empty (set overwrite=True to replace it)")
+    if problems:
+        raise ExportError("cannot export the drafter:\n  - " + "\n  - ".join(problems))
+
+    dtype = _DTYPES[cfg.dtype]
+    written = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    if cfg.fmt == "speculators":
+        written = {_to_speculators_name(k): v for k, v in written.items()}
+        cfg_json = speculators_config(drafter, spec, cfg)
+    else:
+        cfg_json = sglang_config(drafter, spec, cfg)
+    sidecar = {
+        "format": cfg.fmt,
+        "target": spec.describe(),
+        "aux_layers_sglang": list(drafter.config.aux_layer_ids),
+        "embed_scale": drafter.config.embed_scale,
+        "embedding_included": include,
+        "drafter_config": drafter.config.to_dict(),
+    }
+    _write_atomically(out, cfg_json, written, sidecar, cfg.overwrite)
+    num_bytes = sum(t.numel() * t.element_size() for t in written.values())
+    log.info("exported drafter (%s, %s, %.1f MiB) to %s", cfg.fmt, cfg.dtype, num_bytes / 2**20, out)
+    return ExportResult(
+        out_dir=out,
+        fmt=cfg.fmt,
+        config=cfg_json,
+        tensor_names=sorted(written),
+        num_bytes=num_bytes,
+        embedding_included=include,
+    )
+
+
+def export_sglang(drafter: Eagle3Drafter, target, out_dir, **kw: Any) -> ExportResult:
+    """:func:`export` in SGLang's ``LlamaForCausalLMEagle3`` format; ``kw`` are :class:`ExportConfig` fields."""
+    embedding = kw.pop("embedding", None)
+    return export(drafter, target, out_dir, config=ExportConfig(fmt="sglang", **kw), embedding=embedding)
+
+
+def export_speculators(drafter: Eagle3Drafter, target, out_dir, **kw: Any) -> ExportResult:
+    """:func:`export` in vLLM's speculators format; ``kw`` are :class:`ExportConfig` fields."""
+    embedding = kw.pop("embedding", None)
+    return export(drafter, target, out_dir, config=ExportConfig(fmt="speculators", **kw), embedding=embedding)
+
+
+def _write_atomically(
+    out: Path, cfg_json: dict, tensors: dict[str, torch.Tensor], sidecar: dict, overwrite: bool
+) -> None:
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+        (tmp / EYAS_SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str) + "\n")
+        old = None
+        if out.exists():
+            if not overwrite and (not out.is_dir() or any(out.iterdir())):
+                raise ExportError(f"{out} appeared while exporting; not overwriting it")
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- load -------------------------------------------------------------------------------------------------------
+def detect_format(config: dict[str, Any], path: Path) -> str:
+    if "speculators_model_type" in config:
+        if config["speculators_model_type"] != "eagle3":
+            raise ExportError(
+                f"{path}: speculators model type {config['speculators_model_type']!r} is not eagle3"
+            )
+        return "speculators"
+    if SGLANG_ARCH in (config.get("architectures") or []):
+        return "sglang"
+    raise ExportError(f"{path}: neither a speculators eagle3 config nor architectures [{SGLANG_ARCH!r}]")
+
+
+def _drafter_config_from(
+    config: dict[str, Any], fmt: str, sidecar: dict[str, Any], path: Path
+) -> DrafterConfig:
+    if fmt == "speculators":
+        if config.get("norm_before_residual") is not False:  # vLLM reads a missing key as True
+            raise ExportError(
+                f"{path}: norm_before_residual is {config.get('norm_before_residual')!r}; the eyas "
+                "drafter keeps the un-normed hidden as residual (needs an explicit false)"
+            )
+        if config.get("norm_before_fc"):
+            raise ExportError(f"{path}: norm_before_fc drafters are not supported by the eyas drafter")
+        layer = dict(config["transformer_layer_config"])
+        aux = [int(i) - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+        draft_vocab = config["draft_vocab_size"]
+        target_hidden = config.get("target_hidden_size")
+    else:
+        layer = config
+        aux = [int(i) for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", [])]
+        draft_vocab = config.get("draft_vocab_size")
+        target_hidden = config.get("target_hidden_size")
+        if draft_vocab is None:
+            raise ExportError(f"{path}: no draft_vocab_size (SGLang would then borrow the target's lm_head)")
+        top = config.get("eagle_aux_hidden_state_layer_ids")
+        if top and aux and [int(i) for i in top] != [i + 1 for i in aux]:
+            log.warning(
+                "%s: top-level eagle_aux_hidden_state_layer_ids %s is not eagle_config's %s + 1; vLLM reads the "
+                "top-level key (input of layer i) and would capture different layers than SGLang",
+                path,
+                top,
+                aux,
+            )
+    if not aux:
+        raise ExportError(f"{path}: the config names no aux layer ids")
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise ExportError(
+            f"{path}: num_hidden_layers={layer['num_hidden_layers']}; eyas drafters have 1 layer"
+        )
+    rope = layer.get("rope_parameters")
+    if not isinstance(rope, dict) or not rope:
+        rope = dict(layer.get("rope_scaling") or {})
+        rope["rope_theta"] = float(layer.get("rope_theta", 10000.0))
+    rope = _clean_rope(rope)
+    heads = int(layer["num_attention_heads"])
+    try:
+        return DrafterConfig(
+            hidden_size=int(layer["hidden_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // heads),
+            intermediate_size=int(layer["intermediate_size"]),
+            vocab_size=int(layer["vocab_size"]),
+            draft_vocab_size=int(draft_vocab),
+            aux_layer_ids=aux,
+            max_position_embeddings=int(layer["max_position_embeddings"]),
+            rope_parameters=rope,
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            hidden_act=str(layer.get("hidden_act", "silu")),
+            attention_bias=bool(layer.get("attention_bias", False)),
+            embed_scale=float(sidecar.get("embed_scale", 1.0)),
+            target_hidden_size=None if target_hidden is None else int(target_hidden),
+        )
+    except KeyError as e:
+        raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e
+
+
+def load_exported(
+    path: str | os.PathLike,
+    embedding=None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> Eagle3Drafter:
+    """Load an exported drafter (either format) into :class:`Eagle3Drafter`.
+
+    ``embedding``: the target's input embedding (a tensor, an ``nn.Embedding`` or a loaded Target); required
+    when the export has none. ``dtype``: of the parameters (default float32; the rope table stays fp32).
+    """
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    cfg_path, w_path = d / "config.json", d / WEIGHTS
+    for p in (cfg_path, w_path):
+        if not p.exists():
+            raise FileNotFoundError(f"{p} does not exist; {d} is not an exported drafter directory")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{cfg_path}: not valid JSON ({e})") from e
+    sidecar = json.loads((d / EYAS_SIDECAR).read_text()) if (d / EYAS_SIDECAR).exists() else {}
+    fmt = detect_format(config, cfg_path)
+    dcfg = _drafter_config_from(config, fmt, sidecar, cfg_path)
+    tensors = load_file(str(w_path))
+    if fmt == "speculators":
+        tensors = {_from_speculators_name(k): v for k, v in tensors.items()}
+    has_embed = EMBED in tensors
+    problems = check_tensors(tensors, dcfg, has_embed, where=str(w_path))
+    if problems:
+        raise ExportError(f"cannot load {d}:\n  - " + "\n  - ".join(problems))
+    if not has_embed and embedding is None:
+        raise ExportError(
+            f"{d} holds no embed_tokens.weight; pass embedding= the target's input embedding "
+            "(a Target, an nn.Embedding or its weight tensor)"
+        )
+
+    drafter = Eagle3Drafter(dcfg)
+    with torch.no_grad():
+        state = drafter.state_dict()
+        for k, v in tensors.items():
+            state[k].copy_(v)
+    if not has_embed:
+        drafter.set_embedding(_embedding_weight(embedding).detach().to("cpu", torch.float32))
+    target_dtype = dtype or torch.float32
+    for p in drafter.parameters():
+        p.data = p.data.to(target_dtype)
+    return drafter.to(device)
+
+
+def _embedding_weight(embedding) -> torch.Tensor:
+    if isinstance(embedding, torch.Tensor):
+        return embedding
+    if isinstance(embedding, nn.Embedding):
+        return embedding.weight
+    if hasattr(embedding, "model") and hasattr(embedding.model, "get_input_embeddings"):
+        return embedding.model.get_input_embeddings().weight
+    raise ExportError(
+        f"embedding must be a tensor, an nn.Embedding or a Target, not {type(embedding).__name__}"
+    )
+
+
+def describe_export(path: str | os.PathLike) -> dict[str, Any]:
+    """Format, aux ids (both conventions), sizes and rope of an export, for logs and reports."""
+    d = Path(path)
+    config = json.loads((d / "config.json").read_text())
+    fmt = detect_format(config, d / "config.json")
+    sidecar = json.loads((d / EYAS_SIDECAR).read_text()) if (d / EYAS_SIDECAR).exists() else {}
+    dcfg = _drafter_config_from(config, fmt, sidecar, d / "config.json")
+    size = (d / WEIGHTS).stat().st_size
+    return {
+        "format": fmt,
+        "aux_layers_sglang": dcfg.aux_layer_ids,
+        "aux_layers_vllm": [i + 1 for i in dcfg.aux_layer_ids],
+        "hidden_size": dcfg.hidden_size,
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "max_position_embeddings": dcfg.max_position_embeddings,
+        "rope": dcfg.rope_parameters,
+        "weights_mib": round(size / 2**20, 2),
+        "target": sidecar.get("target"),
+    }

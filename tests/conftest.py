@@ -1,0 +1,50 @@
+"""Shared fixtures: the embedded default target (loaded once per session) and tiny random targets."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One thread: tiny-model tests are dominated by per-op overhead, which threads only add to.
+torch.set_num_threads(1)
+
+
+class _TinyTokenizer:
+    """Just enough tokenizer for Target on tiny models (ids only; no chat template)."""
+
+    chat_template = None
+    all_special_tokens: list[str] = []
+    eos_token_id = 2
+    pad_token_id = 0
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"<{i}>": i for i in range(self.vocab_size)}
+
+
+def make_tiny_target(arch: str = "llama", seed: int = 0, **kw):
+    from serving.target import target_from_model
+    from serving.tiny import tiny_model
+
+    model = tiny_model(arch, seed=seed, **kw)
+    return target_from_model(model, _TinyTokenizer(model.config.vocab_size), name=f"tiny-{arch}")
+
+
+@pytest.fixture(scope="session")
+def embedded_target_fp32():
+    """SmolLM2-135M-Instruct in fp32 (exactness tests)."""
+    from serving.target import TargetConfig, load_target
+
+    return load_target(TargetConfig(dtype="float32", device="cpu"))
+
+
+@pytest.fixture
+def tiny_target():
+    """Factory: tiny_target(arch="llama", seed=0, **sizes) -> Target over a random-init model."""
+    return make_tiny_target
