@@ -563,7 +563,7 @@ def _ensure_group_default(argv: list[str]) -> list[str]:
 def main() -> None:
     import hydra
 
-    @hydra.main(config_path="../conf", config_name="config", version_base=None)
+    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def _app(cfg) -> None:
         res = run_from_config(cfg)
         print(

@@ -229,30 +229,27 @@ def _pad_id(target, stop_ids: set[int]) -> int:
 def _generate_loop(
     target, prompts: list[list[int]], cfg: RegenerateConfig, seed: int, stop_ids: set[int]
 ) -> list[GeneratedTurn]:
-    """Left-padded prefill, then one token per step for the rows still generating; a row that emits a stop
-    token leaves the batch (its KV rows are dropped), so short answers cost nothing after they end."""
-    from transformers.cache_utils import DynamicCache
-
-    model, dev = target.model, target.device
+    """Left-padded prefill, then one token per step for the rows still generating, over a static slot cache
+    (no per-step copy of the growing KV); a row that emits a stop token leaves the batch (its KV rows are
+    dropped), so short answers cost nothing after they end."""
+    dev = target.device
     ids, attn = _left_pad(prompts, _pad_id(target, stop_ids))
-    ids, attn = ids.to(dev), attn.to(dev)
+    ids, attn = ids.to(dev), attn.to(dev).bool()
+    b, width = ids.shape
     gen = torch.Generator(device=dev).manual_seed(seed) if cfg.temperature > 0 else None
     stop = torch.tensor(sorted(stop_ids), device=dev)
-    cache = DynamicCache(config=model.config)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, T]: positions restart after the left padding
-    logits = (
-        model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        .logits[:, -1]
-        .float()
-    )  # [B, V]
-    live = torch.arange(len(prompts), device=dev)  # original row of each row still in the batch
+    total = width + cfg.max_new_tokens
+    cache = target.new_cache(total)
+    key_ok = torch.zeros(b, total, dtype=torch.bool, device=dev)  # [B, slots]: slot holds a real token
+    key_ok[:, :width] = attn
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]: positions restart after the left padding
+    causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
+    eye = torch.eye(width, dtype=torch.bool, device=dev)
+    mask = (causal[None] & attn[:, None, :]) | eye[None]  # pad rows see themselves only: no all-masked row
+    cache.prepare(torch.arange(width, device=dev), width)
+    logits = target.forward(ids, position_ids=pos, attention_mask=mask[:, None], cache=cache, logits="last")
+    logits = logits.logits[:, -1]  # [B, V] fp32
+    live = torch.arange(b, device=dev)  # original row of each row still in the batch
     next_pos = pos[:, -1] + 1  # [b]
     out: list[list[int]] = [[] for _ in prompts]
     for step in range(cfg.max_new_tokens):
@@ -264,20 +261,19 @@ def _generate_loop(
             break
         if not bool(keep.all()):
             idx = keep.nonzero().squeeze(-1)
-            cache.batch_select_indices(idx)
-            live, attn, next_pos, tok = live[idx], attn[idx], next_pos[idx], tok[idx]
-        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)  # [b, T + step + 1]
-        logits = (
-            model(
-                input_ids=tok[:, None],
-                attention_mask=attn,
-                position_ids=next_pos[:, None],
-                cache=cache,
-                use_cache=True,
-            )
-            .logits[:, -1]
-            .float()
+            cache.select_rows(idx)
+            live, key_ok, next_pos, tok = live[idx], key_ok[idx], next_pos[idx], tok[idx]
+        slot = width + step
+        key_ok[:, slot] = True
+        cache.prepare(torch.tensor([slot], device=dev), slot + 1)
+        res = target.forward(
+            tok[:, None],
+            position_ids=next_pos[:, None],
+            attention_mask=key_ok[:, None, None, : slot + 1],
+            cache=cache,
+            logits="last",
         )
+        logits = res.logits[:, -1]
         next_pos = next_pos + 1
     return [cut_at_stop(row, stop_ids, cfg.max_new_tokens) for row in out]
 

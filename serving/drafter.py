@@ -28,6 +28,11 @@ from torch import nn
 
 from serving.kv_cache import SlotCache
 
+WEIGHTS_FILE = "drafter.safetensors"
+"""Trainable weights of a drafter checkpoint (everything but the frozen target embedding)."""
+CONFIG_FILE = "drafter_config.json"
+"""Its :class:`DrafterConfig`."""
+
 
 @dataclass
 class DrafterConfig:
@@ -446,3 +451,47 @@ def _ttt_attention(q, k0, v0, keys, values, main_mask, scale):
     vd = torch.stack(values, dim=-2)  # [B, kv, T, j, d]
     o = o + torch.einsum("bkgtj,bktjd->bkgtd", p_diag, vd)
     return o.reshape(b, h, t, d)
+
+
+# -- trained checkpoints (the trainer's format; serving/export.py writes the SGLang/vLLM one) -----------------------
+def save_drafter_weights(directory, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Write ``weights`` (trainable tensors) and ``config`` (a ``DrafterConfig.to_dict()``) into ``directory``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / WEIGHTS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1, sort_keys=True))
+
+
+def is_drafter_checkpoint(directory) -> bool:
+    from pathlib import Path
+
+    return (Path(directory) / WEIGHTS_FILE).exists() and (Path(directory) / CONFIG_FILE).exists()
+
+
+def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A drafter from a trainer checkpoint directory (fp32, CPU); ``embedding``: the target's input embedding
+    table (the checkpoint does not hold it)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not is_drafter_checkpoint(directory):
+        raise FileNotFoundError(
+            f"{directory} is not a drafter checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE})"
+        )
+    drafter = Eagle3Drafter(DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text())))
+    missing, unexpected = drafter.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}: weights do not fit the drafter (missing {missing}, unexpected {unexpected})"
+        )
+    if embedding is not None:
+        drafter.set_embedding(embedding.detach().float().cpu())
+    return drafter.eval()

@@ -116,6 +116,15 @@ class SlotCache(Cache):
             layer.keys.index_copy_(2, d, layer.keys.index_select(2, s))
             layer.values.index_copy_(2, d, layer.values.index_select(2, s))
 
+    @torch.no_grad()
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (e.g. drop finished sequences from a batched generation)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                idx = rows.to(layer.keys.device)
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
+
     def reset(self) -> None:
         self.length = 0
         self._write_slots = None

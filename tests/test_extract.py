@@ -224,7 +224,7 @@ def test_hydra_config_builds_the_extract_config():
     from hydra import compose, initialize_config_dir
 
     argv = _ensure_group_default(["data.extract", "extract.samples=x.jsonl"])
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=argv[1:] + ["extract.store.distribution=topk"])
     from omegaconf import OmegaConf
 

@@ -1,0 +1,241 @@
+"""Acceptance runs: every prompt set through the serving loop with every drafting method.
+
+Design decisions:
+- All methods (EAGLE-3 chain, EAGLE-3 tree, prompt lookup, none) run through the same
+  :func:`serving.loop.generate`, so they differ only in the proposer.
+- Methods are interleaved per prompt (prompt 1 with every method, then prompt 2 ...), so a machine that gets
+  busier during the run slows every method alike and the speedups stay fair.
+- τ counts the bonus token: tokens emitted per verify step. Speedup is end-to-end tokens/s (prefill included)
+  over plain decoding ("none") on the same prompts in the same run.
+- Under greedy decoding every method must emit exactly what plain decoding emits; the run records the fraction
+  of prompts where it did (``match_rate``), so a numerics problem shows up in the report instead of hiding.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from serving.drafter import Eagle3Drafter
+from serving.loop import GenerationResult, generate
+from serving.proposers import (
+    Eagle3Proposer,
+    Eagle3ProposerConfig,
+    NoProposer,
+    PromptLookupConfig,
+    PromptLookupProposer,
+    Proposer,
+)
+from serving.target import Target
+from serving.tree import TreeConfig
+from serving.verify import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+MethodKind = Literal["eagle3", "prompt_lookup", "none"]
+
+
+@dataclass
+class PromptSetSpec:
+    """One evaluation prompt set."""
+
+    name: str
+    """Display name (e.g. ``reasoning``)."""
+    source: str
+    """What :func:`data.corpora.load_prompt_set` loads: ``mt_bench``, ``humaneval``, ``reasoning_gym[/tasks]``,
+    a corpus name, a JSONL/Parquet path or ``hf:<id>``."""
+    n: int = 8
+    """Prompts drawn from the source (seeded)."""
+    label: str = ""
+    """What kind of text it is, e.g. ``hard reasoning`` or ``predictable`` (diagnose compares them)."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"prompt set {self.name}: n must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"prompt set {self.name}: max_new_tokens must be >= 1")
+
+
+@dataclass
+class MethodSpec:
+    """One drafting method."""
+
+    name: str
+    """Display name (``eagle3-chain``, ``prompt-lookup``, ``none`` ...)."""
+    kind: MethodKind = "eagle3"
+    """Which proposer."""
+    mode: Literal["chain", "tree"] = "chain"
+    """Chain or EAGLE-2 dynamic tree verification (trees: eagle3 only)."""
+    chain_length: int = 6
+    """Draft tokens per step (K) for chains; prompt lookup's draft length."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """Tree shape when ``mode == "tree"``."""
+
+    def __post_init__(self) -> None:
+        if self.chain_length < 1:
+            raise ValueError(f"method {self.name}: chain_length (K) must be >= 1, got {self.chain_length}")
+        if self.mode == "tree" and self.kind != "eagle3":
+            raise ValueError(f"method {self.name}: tree drafting needs the eagle3 drafter")
+        if isinstance(self.tree, dict):
+            self.tree = TreeConfig(**self.tree)
+
+
+def default_methods(
+    chain_length: int = 6,
+    tree: TreeConfig | None = None,
+    with_tree: bool = True,
+) -> list[MethodSpec]:
+    methods = [MethodSpec("eagle3-chain", "eagle3", "chain", chain_length)]
+    if with_tree:
+        methods.append(MethodSpec("eagle3-tree", "eagle3", "tree", chain_length, tree or TreeConfig()))
+    methods += [
+        MethodSpec("prompt-lookup", "prompt_lookup", "chain", chain_length),
+        MethodSpec("none", "none", "chain", 1),
+    ]
+    return methods
+
+
+def make_proposer(spec: MethodSpec, drafter: Eagle3Drafter | None) -> Proposer:
+    if spec.kind == "none":
+        return NoProposer()
+    if spec.kind == "prompt_lookup":
+        return PromptLookupProposer(PromptLookupConfig(num_tokens=spec.chain_length))
+    if drafter is None:
+        raise ValueError(f"method {spec.name} needs an EAGLE-3 drafter")
+    return Eagle3Proposer(drafter, Eagle3ProposerConfig(chain_length=spec.chain_length, tree=spec.tree))
+
+
+@dataclass
+class SetMethodResult:
+    """Aggregate of one prompt set under one method."""
+
+    prompt_set: str
+    method: str
+    label: str
+    prompts: int
+    tokens: int
+    steps: int
+    tau: float
+    acceptance_by_position: list[float]
+    tokens_per_s: float
+    decode_tokens_per_s: float
+    mean_draft_ms: float
+    mean_verify_ms: float
+    mean_context: float
+    speedup: float = float("nan")
+    """End-to-end tokens/s over ``none`` on the same prompts."""
+    match_rate: float = float("nan")
+    """Greedy only: fraction of prompts whose output equals plain decoding's."""
+    step_records: list[tuple[int, float, float, int]] = field(default_factory=list, repr=False)
+    """(context_len, draft_s, verify_s, accepted) of every step, for plots and the throughput model."""
+
+    def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_steps:
+            d.pop("step_records")
+        return d
+
+
+@dataclass
+class AcceptanceResult:
+    results: list[SetMethodResult]
+    sampling: dict[str, Any]
+
+    def get(self, prompt_set: str, method: str) -> SetMethodResult | None:
+        return next((r for r in self.results if r.prompt_set == prompt_set and r.method == method), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sampling": self.sampling, "results": [r.to_dict() for r in self.results]}
+
+
+def aggregate(prompt_set: str, method: str, label: str, runs: list[GenerationResult]) -> SetMethodResult:
+    steps = [s for r in runs for s in r.steps]
+    emitted = sum(s.num_emitted for s in steps)
+    depth = max((s.draft_depth for s in steps), default=0)
+    by_pos = []
+    for i in range(1, depth + 1):
+        tried = [s for s in steps if s.draft_depth >= i]
+        by_pos.append(sum(s.num_accepted >= i for s in tried) / max(len(tried), 1))
+    total_s = sum(r.total_s for r in runs)
+    decode_s = sum(r.decode_s for r in runs)
+    n = max(len(steps), 1)
+    return SetMethodResult(
+        prompt_set=prompt_set,
+        method=method,
+        label=label,
+        prompts=len(runs),
+        tokens=sum(len(r.tokens) for r in runs),
+        steps=len(steps),
+        tau=emitted / n,
+        acceptance_by_position=by_pos,
+        tokens_per_s=sum(len(r.tokens) for r in runs) / total_s if total_s else 0.0,
+        decode_tokens_per_s=emitted / decode_s if decode_s else 0.0,
+        mean_draft_ms=1e3 * sum(s.draft_s for s in steps) / n,
+        mean_verify_ms=1e3 * sum(s.verify_s for s in steps) / n,
+        mean_context=sum(s.context_len for s in steps) / n,
+        step_records=[(s.context_len, s.draft_s, s.verify_s, s.num_accepted) for s in steps],
+    )
+
+
+def run_acceptance(
+    target: Target,
+    drafter: Eagle3Drafter | None,
+    prompt_sets: dict[str, tuple[PromptSetSpec, list[list[int]]]],
+    methods: list[MethodSpec],
+    sampling: SamplingConfig | None = None,
+    warmup: bool = True,
+) -> AcceptanceResult:
+    """Generate every prompt of every set with every method; see the module docstring.
+
+    prompt_sets: name -> (spec, token-id prompts).
+    """
+    sampling = sampling or SamplingConfig()
+    if not prompt_sets or not any(p for _, p in prompt_sets.values()):
+        raise ValueError("no evaluation prompts: give at least one non-empty prompt set")
+    if not methods:
+        raise ValueError("no drafting methods to evaluate")
+    proposers = {m.name: make_proposer(m, drafter) for m in methods}
+    modes = {m.name: m.mode for m in methods}
+    first = next(p for _, p in prompt_sets.values() if p)[0]
+    for name in proposers:  # fail on a mismatched drafter before the long run, and warm every path up
+        proposers[name].reset(torch.as_tensor(first), target=target.info, max_len=len(first) + 8)
+        if warmup:
+            generate(target, proposers[name], first, 8, sampling, mode=modes[name])
+
+    results: list[SetMethodResult] = []
+    total = sum(len(p) for _, p in prompt_sets.values()) * len(methods)
+    bar = tqdm(total=total, desc="acceptance", unit="gen")
+    for set_name, (spec, prompts) in prompt_sets.items():
+        runs: dict[str, list[GenerationResult]] = {m.name: [] for m in methods}
+        for prompt in prompts:
+            for m in methods:
+                runs[m.name].append(
+                    generate(target, proposers[m.name], prompt, spec.max_new_tokens, sampling, mode=m.mode)
+                )
+                bar.update()
+        set_results = [aggregate(set_name, m.name, spec.label, runs[m.name]) for m in methods]
+        base = next((r for r in set_results if r.method == "none"), None)
+        for r in set_results:
+            if base is not None and base.tokens_per_s > 0:
+                r.speedup = r.tokens_per_s / base.tokens_per_s
+            if base is not None and sampling.greedy:
+                same = [a.tokens == b.tokens for a, b in zip(runs[r.method], runs["none"])]
+                r.match_rate = sum(same) / len(same)
+            log.info(
+                "%s / %s: tau %.2f, %.1f tok/s (x%.2f), match %.2f",
+                set_name,
+                r.method,
+                r.tau,
+                r.tokens_per_s,
+                r.speedup,
+                r.match_rate,
+            )
+        results.extend(set_results)
+    bar.close()
+    return AcceptanceResult(results=results, sampling=asdict(sampling))

@@ -1,0 +1,221 @@
+"""Drafter-training throughput and peak memory on this machine: ``python -m eval.bench_train``.
+
+What it measures: the real training step of :func:`train.loop.fit` (teacher from the stored final hidden state
+through the frozen target head, TTT unroll, loss, backward, AdamW), for the embedded default target
+(SmolLM2-135M-Instruct), 512-token samples (one per micro-batch), TTT 7, over draft vocabularies and precisions.
+Tokens/s counts every sequence token of a step (SpecForge's convention), from the step timings ``fit`` logs,
+after ``--warmup`` steps. Peak memory is the resident set of the training process (sampled every 20 ms), with
+the part above the pre-training baseline (inputs, head and embedding already loaded) shown separately.
+
+Design decisions:
+- The target runs once in the parent to make the features (as a bf16 feature store would hold them); each
+  configuration then trains in a fresh child process that never loads the target model, so peak memory is the
+  trainer's, not the target's, and configurations cannot disturb each other.
+- Inputs are uniform random tokens with the last ``--loss-fraction`` of each sample marked as assistant tokens:
+  throughput depends on the token count, the loss-row fraction and the draft vocabulary, not on the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODES = {
+    "fp32": dict(precision="fp32", bf16_lm_head=False),
+    "bf16_head": dict(precision="fp32", bf16_lm_head=True),
+    "bf16": dict(precision="bf16", bf16_lm_head=False),
+}
+
+
+def make_bundle(path: Path, samples: int, seq_len: int, loss_fraction: float) -> None:
+    """Run the embedded target over random sequences and save everything the children need."""
+    from serving.drafter import DrafterConfig
+    from serving.target import TargetConfig, load_target
+    from train.synthetic import batches_from_sequences, random_sequences
+    from train.vocab import count_loss_tokens
+
+    target = load_target(TargetConfig(device="cpu"))
+    seqs, masks = random_sequences(samples, seq_len, target.vocab_size, loss_fraction, seed=0)
+    batches = batches_from_sequences(target, seqs, masks, batch_size=1, teacher="hidden")
+    base = DrafterConfig.from_target(target.model.config, list(target.aux_layers), 1).to_dict()
+    torch.save(
+        {
+            "batches": batches,
+            "counts": count_loss_tokens(zip(seqs, masks), target.vocab_size),
+            "drafter_config": base,
+            "embedding": target.model.get_input_embeddings().weight.detach().float().clone(),
+            "head_weight": target.head.weight.detach().clone(),
+            "head_softcap": target.head.softcap,
+            "head_scale": target.head.scale,
+            "info": target.info.to_dict(),
+            "target_dtype": str(target.dtype),
+        },
+        path,
+    )
+
+
+class PeakRSS:
+    """Peak resident set size of this process, sampled in a background thread."""
+
+    def __init__(self, period: float = 0.02):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.period = period
+        self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.period)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def run_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration: build the drafter from the bundle, train, report tokens/s and memory."""
+    import logging
+
+    from serving.drafter import DrafterConfig, Eagle3Drafter
+    from serving.target import TargetHead
+    from train.config import TrainConfig
+    from train.loop import fit
+    from train.sources import ListSource
+    from train.vocab import build_draft_vocab
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    b = torch.load(args.child, weights_only=False)
+    vocab = build_draft_vocab(b["counts"], args.vocab)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig(**{**b["drafter_config"], "draft_vocab_size": args.vocab}))
+    drafter.set_embedding(b["embedding"])
+    drafter.set_vocab_map(vocab.draft_to_target)
+    head = TargetHead(b["head_weight"], softcap=b["head_softcap"], scale=b["head_scale"])
+    del b["embedding"]
+    out = Path(tempfile.mkdtemp(prefix="bench_train_"))
+    cfg = TrainConfig(
+        output_dir=str(out),
+        max_steps=args.warmup + args.steps,
+        lr=1e-4,
+        warmup_steps=0,
+        eval_every=0,
+        save_every=0,
+        log_every=1,
+        threads=args.threads,
+        progress=False,
+        oov_rule=args.oov,
+        wandb={"mode": "disabled"},
+        ttt_steps=args.ttt,
+        **MODES[args.mode],
+    )
+    baseline = PeakRSS().proc.memory_info().rss
+    with PeakRSS() as mem:
+        fit(cfg, drafter, ListSource(b["batches"], shuffle=False), None, head=head, target_info=b["info"])
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in recs if r["kind"] == "train" and r["step"] > args.warmup]
+    tokens = sum(r["tokens"] for r in timed)
+    wall = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    return {
+        "draft_vocab": args.vocab,
+        "mode": args.mode,
+        "oov_rule": args.oov,
+        "threads": args.threads,
+        "ttt_steps": args.ttt,
+        "tokens_per_s": tokens / wall,
+        "step_s": wall / len(timed),
+        "supervised_fraction": sum(r["supervised_tokens"] for r in timed) / tokens,
+        "peak_rss_mib": mem.peak / 2**20,
+        "peak_above_baseline_mib": (mem.peak - baseline) / 2**20,
+        "coverage": vocab.coverage,
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, nargs="+", default=[8192, 32768], help="draft vocabulary sizes")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--oov", default="teacher", choices=["teacher", "label"])
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--samples", type=int, default=6, help="samples (= micro-batches) the steps cycle over")
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--loss-fraction", type=float, default=0.7)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="fp32", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        args.vocab = args.vocab[0]
+        print("RESULT " + json.dumps(run_child(args)), flush=True)
+        return
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = Path(tmp) / "bundle.pt"
+        make_bundle(bundle, args.samples, args.seq_len, args.loss_fraction)
+        for v in args.vocab:
+            for mode in args.modes:
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "eval.bench_train",
+                    "--child",
+                    str(bundle),
+                    "--vocab",
+                    str(v),
+                    "--mode",
+                    mode,
+                    "--oov",
+                    args.oov,
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--threads",
+                    str(args.threads),
+                    "--ttt",
+                    str(args.ttt),
+                ]
+                r = subprocess.run(
+                    cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"}
+                )
+                line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if r.returncode or line is None:
+                    raise RuntimeError(f"benchmark child failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+                res = json.loads(line[7:])
+                results.append(res)
+                print(
+                    f"vocab {v:>6}  {mode:<9}  {res['tokens_per_s']:7.1f} tokens/s  {res['step_s']:6.2f} s/step  "
+                    f"peak RSS {res['peak_rss_mib']:7.0f} MiB (+{res['peak_above_baseline_mib']:.0f} training)  "
+                    f"load {res['load_avg_1m']:.1f}",
+                    flush=True,
+                )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"seq_len": args.seq_len, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

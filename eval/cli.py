@@ -1,0 +1,52 @@
+"""``eyas <command> [hydra overrides]``: one console script over the stage entry points.
+
+Each command runs the module a user could also run with ``python -m`` (so multi-node training stays the ordinary
+``accelerate launch ... -m train ...``).
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+COMMANDS = {
+    "demo": ("eval.pipeline", "the whole pipeline on the embedded default target; prints the result table"),
+    "bench": ("eval.bench", "the benchmark: larger data budget, BENCH.md with the headline numbers"),
+    "prepare": ("data.prepare", "corpus mixture -> (regeneration) -> chat-formatted samples with loss masks"),
+    "extract": ("data.extract", "run the target over samples and write the feature store"),
+    "train": ("train", "train an EAGLE-3 drafter (accelerate launch ... -m train for several processes)"),
+    "export": (
+        "serving.export",
+        "write a trainer checkpoint in the SGLang/vLLM format, with a round-trip check",
+    ),
+    "eval": ("eval", "acceptance evaluation of an exported drafter"),
+    "diagnose": (
+        "eval.diagnose",
+        "explain tokens/s = tau / step time; recommend K; `diagnose plan` for memory",
+    ),
+    "plan": ("eval.plan", "KV-cache and context-length arithmetic from a model config"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: eyas <command> [key=value ...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        raise SystemExit(f"eyas: unknown command {name!r}\n\n{usage()}")
+    module = COMMANDS[name][0]
+    sys.argv = [f"eyas {name}", *rest]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""The whole pipeline on one config: corpus → regeneration → feature store → training → export → evaluation.
+
+``python -m eval.pipeline`` (the README's main command; ``--config-name bench`` for the benchmark budget).
+
+Design decisions:
+- Each stage writes under ``work_dir/<stage>/<hash>``, the hash taken over everything that shapes its output
+  (its own settings and the identity of its input), so a rerun with the same config reuses finished stages and
+  resumes unfinished ones (regeneration, extraction and training are all resumable), and a changed setting
+  reruns only the stages downstream of it.
+- The target is loaded once and shared by regeneration, extraction and evaluation; training reads the store
+  and needs only the target's frozen head and embedding.
+- Evaluation runs the *exported* checkpoint (``serving.export.load_exported``): the directory a user would hand
+  to SGLang or vLLM, after a round-trip check that it reproduces the trained drafter's logits.
+- The result table is printed at the end and written with plots to the eval stage's directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
+from eval.profile import ProfileConfig, StepProfile, profile_steps
+from serving.target import Target, TargetConfig
+from serving.tree import TreeConfig
+from serving.verify import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class EvalStageConfig:
+    """The evaluation stage (``conf/eval``)."""
+
+    prompt_sets: list[PromptSetSpec] = field(default_factory=list)
+    """Prompt sets; ``source`` is any ``data.corpora.load_prompt_set`` name or ``builtin:predictable``."""
+    chain_length: int = 6
+    """K: draft tokens per step of the chain methods."""
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    """EAGLE-2 tree of the ``eagle3-tree`` method."""
+    methods: list[str] = field(
+        default_factory=lambda: ["eagle3-chain", "eagle3-tree", "prompt-lookup", "none"]
+    )
+    """Which of ``eagle3-chain``, ``eagle3-tree``, ``prompt-lookup``, ``none`` to run."""
+    temperature: float = 0.0
+    """0 = greedy (outputs must equal plain decoding's); > 0 samples (lossless in distribution)."""
+    seed: int = 0
+    profile: ProfileConfig | None = field(default_factory=ProfileConfig)
+    """Step-time profile against context length (None: skip)."""
+    max_prompt_tokens: int = 1536
+    """Prompts longer than this are left out."""
+    threads: int | None = None
+    """torch CPU threads during evaluation (None: leave as is)."""
+    checkpoint: str | None = None
+    """``python -m eval``: the exported drafter directory (SGLang/vLLM format) to evaluate; the pipeline sets its
+    own."""
+
+    def __post_init__(self) -> None:
+        self.prompt_sets = [PromptSetSpec(**p) if isinstance(p, dict) else p for p in self.prompt_sets]
+        if isinstance(self.tree, dict):
+            self.tree = TreeConfig(**self.tree)
+        if isinstance(self.profile, dict):
+            self.profile = ProfileConfig(**self.profile)
+        if not self.prompt_sets:
+            raise ValueError("eval.prompt_sets is empty: give at least one prompt set")
+        if self.chain_length < 1:
+            raise ValueError(f"eval.chain_length (K) must be >= 1, got {self.chain_length}")
+        known = {m.name for m in default_methods(self.chain_length, self.tree)}
+        bad = [m for m in self.methods if m not in known]
+        if bad:
+            raise ValueError(f"unknown eval methods {bad}; known: {sorted(known)}")
+
+    def method_specs(self) -> list[MethodSpec]:
+        return [m for m in default_methods(self.chain_length, self.tree) if m.name in self.methods]
+
+
+@dataclass
+class StageRecord:
+    name: str
+    path: str
+    seconds: float
+    reused: bool
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PipelineResult:
+    stages: list[StageRecord]
+    acceptance: AcceptanceResult | None
+    profile: StepProfile | None
+    report: str | None
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages)
+
+
+# -- stages ------------------------------------------------------------------------------------------------------
+def stage_prepare(pcfg, target: Target) -> tuple[Any, StageRecord]:
+    from data.prepare import format_summary, prepare
+
+    t0 = time.perf_counter()
+    res = prepare(pcfg, target if pcfg.regenerate else None, tokenizer=target.tokenizer)
+    print(format_summary(res), flush=True)
+    train = res.splits["train"]
+    facts = {"samples": train.samples, "tokens": train.tokens, "loss_tokens": train.loss_tokens}
+    if train.regen is not None:
+        facts["regenerated"] = train.regen.written + train.regen.already_done
+        facts["regen_tokens_per_s"] = round(train.regen.tokens_per_s, 1)
+    return res, StageRecord("prepare", str(res.out_dir), time.perf_counter() - t0, res.reused, facts)
+
+
+def stage_extract(prep, ecfg, target: Target, work_dir: Path) -> tuple[Path, StageRecord]:
+    from data.extract import extract, inputs_fingerprint, read_samples_jsonl
+
+    t0 = time.perf_counter()
+    samples = list(read_samples_jsonl(prep.samples_path("train")))
+    key = _hash(
+        {
+            "samples": inputs_fingerprint(samples),
+            "store": ecfg.store.to_dict(),
+            "shard_size": ecfg.shard_size,
+            "target": target.info.to_dict(),
+            "dtype": str(target.dtype),
+        }
+    )
+    out = work_dir / "store" / key
+    res = extract(samples, target, out, ecfg)
+    bpt = res.bytes_per_token
+    facts = {
+        "samples": res.num_samples,
+        "tokens": res.num_tokens,
+        "loss_tokens": res.num_loss_tokens,
+        "bytes_per_token": round(bpt.total, 1),
+        "ratio_to_4H_bf16": round(bpt.ratio_to_anchor, 3),
+        "extract_tokens_per_s": round(res.tokens_per_s, 1),
+    }
+    print(
+        f"extract: {out} ({'reused' if res.shards_written == 0 else f'{res.shards_written} shards written'}): "
+        f"{res.num_samples} samples, {res.num_tokens:,} tokens, {bpt.total:.0f} bytes/token "
+        f"({bpt.ratio_to_anchor:.2f} of 4H bf16)"
+        + (f", {res.tokens_per_s:.0f} tok/s" if res.shards_written else ""),
+        flush=True,
+    )
+    return out, StageRecord("extract", str(out), time.perf_counter() - t0, res.shards_written == 0, facts)
+
+
+def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path):
+    from dataclasses import replace
+
+    from data.store import FeatureStore
+    from train.loop import fit
+    from train.setup import build_drafter, draft_vocab_for, run_data
+
+    t0 = time.perf_counter()
+    store = FeatureStore(store_dir, expect_target=target.info)
+    key = _hash({"store": store.manifest.identity(), "drafter": asdict(dcfg), "train": tcfg.identity()})
+    out = work_dir / "train" / key
+    tcfg = replace(tcfg, output_dir=str(out))
+    tcfg.data.source = "store"
+    tcfg.data.store_dir = str(store_dir)
+    data = run_data(target, tcfg, 0, 1)
+    vocab = draft_vocab_for(data.vocab_counts, dcfg, target.vocab_size, out)
+    drafter = build_drafter(target, dcfg, vocab, seed=tcfg.seed)
+    res = fit(
+        tcfg,
+        drafter,
+        data.train,
+        data.eval,
+        head=target.head,
+        target_info=target.info,
+        extra_identity=data.identity,
+    )
+    facts: dict[str, Any] = {
+        "steps": res.steps,
+        "draft_vocab": vocab.size,
+        "vocab_coverage": round(vocab.coverage, 4),
+    }
+    if res.steps_this_run:
+        facts["train_tokens_per_s"] = round(res.tokens_per_s, 1)
+    if res.final_eval:
+        fe = res.final_eval
+        facts.update(
+            final_loss=round(fe["loss"], 4),
+            step_acc=[round(a, 3) for a in fe["step_acc"]],
+            tau_sim=round(fe["tau_chain"], 3),
+        )
+    print(
+        f"train: {out} ({res.steps_this_run} steps this run, {res.steps} in all): "
+        + ", ".join(f"{k} {v}" for k, v in facts.items()),
+        flush=True,
+    )
+    return res, StageRecord("train", str(out), time.perf_counter() - t0, res.steps_this_run == 0, facts)
+
+
+def stage_export(train_res, target: Target, work_dir: Path) -> tuple[Path, StageRecord]:
+    from serving.drafter import load_trained_drafter
+    from serving.export import ExportConfig, export, round_trip_error
+
+    t0 = time.perf_counter()
+    src = Path(train_res.best_dir or train_res.last_checkpoint)
+    out = work_dir / "export" / _hash({"weights": str(src.resolve()), "step": train_res.steps})
+    drafter = load_trained_drafter(src, target.model.get_input_embeddings().weight)
+    reused = (out / "config.json").exists()
+    if not reused:
+        export(drafter, target, out, config=ExportConfig(fmt="sglang", overwrite=True))
+    err = round_trip_error(drafter, out, target.model.get_input_embeddings().weight)
+    if err > 1e-4:
+        raise RuntimeError(f"export round trip changed the drafter's logits by {err:.3g}: {out}")
+    print(f"export: {out} (SGLang/vLLM EAGLE-3 format; round-trip max |Δlogit| {err:.2e})", flush=True)
+    return out, StageRecord("export", str(out), time.perf_counter() - t0, reused, {"round_trip_max_abs": err})
+
+
+def stage_eval(
+    export_dir: Path,
+    ecfg: EvalStageConfig,
+    target: Target,
+    work_dir: Path,
+    extra: dict[str, Any],
+    command: str,
+) -> tuple[AcceptanceResult, StepProfile | None, Path, StageRecord]:
+    from eval.prompts import load_prompt_ids
+    from eval.report import print_table, write_report
+    from serving.export import load_exported
+
+    t0 = time.perf_counter()
+    out = (
+        work_dir
+        / "eval"
+        / _hash(
+            {
+                "export": str(export_dir.resolve()),
+                "eval": {**asdict(ecfg), "checkpoint": None},
+                "target": target.info.to_dict(),
+                "dtype": str(target.dtype),
+            }
+        )
+    )
+    if ecfg.threads:
+        torch.set_num_threads(ecfg.threads)
+    drafter = load_exported(export_dir, embedding=target, dtype=target.dtype, device=str(target.device))
+    prompts = {
+        s.name: (s, load_prompt_ids(s, target.tokenizer, ecfg.seed, ecfg.max_prompt_tokens))
+        for s in ecfg.prompt_sets
+    }
+    acc = run_acceptance(
+        target,
+        drafter,
+        prompts,
+        ecfg.method_specs(),
+        SamplingConfig(temperature=ecfg.temperature, seed=ecfg.seed),
+    )
+    prof = None
+    if ecfg.profile is not None:
+        pcfg = ecfg.profile
+        sizes = sorted({1, ecfg.chain_length + 1, ecfg.tree.total_tokens + 1, *pcfg.verify_tokens})
+        prof = profile_steps(target, drafter, ProfileConfig(**{**asdict(pcfg), "verify_tokens": sizes}))
+    report = write_report(
+        out,
+        acc,
+        prof,
+        extra=extra,
+        title="eyas: the whole pipeline on one config",
+        chain_length=ecfg.chain_length,
+        command=command,
+    )
+    print_table(acc)
+    return acc, prof, report, StageRecord("eval", str(out), time.perf_counter() - t0, False)
+
+
+# -- the pipeline ------------------------------------------------------------------------------------------------
+def run_pipeline(cfg) -> PipelineResult:
+    """Run every stage for the Hydra config ``cfg`` (see the module docstring)."""
+    from omegaconf import OmegaConf
+
+    from data.extract import ExtractConfig
+    from data.prepare import prepare_config_from_hydra
+    from serving.target import load_target
+    from train.config import DraftModelConfig, TrainConfig, from_dict
+
+    os.environ.setdefault("WANDB_SILENT", "true")  # the pipeline prints its own summary
+    d = OmegaConf.to_container(cfg, resolve=True)
+    work_dir = Path(d.get("work_dir", "runs"))
+    pcfg = prepare_config_from_hydra(cfg)
+    ecfg = from_dict(
+        ExtractConfig, {k: v for k, v in d["extract"].items() if k not in ("samples", "out_dir")}
+    )
+    dcfg = from_dict(DraftModelConfig, d["drafter"])
+    tcfg = from_dict(TrainConfig, d["train"])
+    vcfg = EvalStageConfig(**d["eval"])
+    threads = d.get("threads")
+    if threads:
+        torch.set_num_threads(int(threads))
+    command = "python -m eval.pipeline " + " ".join(sys.argv[1:])
+
+    t0 = time.perf_counter()
+    target = load_target(TargetConfig(**d["target"]))
+    stages = [
+        StageRecord(
+            "load target",
+            target.info.name,
+            time.perf_counter() - t0,
+            False,
+            {"dtype": str(target.dtype).removeprefix("torch.")},
+        )
+    ]
+    prep, rec = stage_prepare(pcfg, target)
+    stages.append(rec)
+    store_dir, rec = stage_extract(prep, ecfg, target, work_dir)
+    stages.append(rec)
+    train_res, rec = stage_train(store_dir, dcfg, tcfg, target, work_dir)
+    stages.append(rec)
+    export_dir, rec = stage_export(train_res, target, work_dir)
+    stages.append(rec)
+    extra = {f"{s.name}.{k}": v for s in stages for k, v in s.facts.items()}
+    acc, prof, report, rec = stage_eval(export_dir, vcfg, target, work_dir, extra, command)
+    stages.append(rec)
+    result = PipelineResult(stages=stages, acceptance=acc, profile=prof, report=str(report))
+    summary = {"stages": [asdict(s) for s in stages], "report": str(report), "seconds": result.seconds}
+    (Path(report).parent / "pipeline.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(
+        "\nstages: "
+        + ", ".join(f"{s.name} {s.seconds:.0f}s{' (reused)' if s.reused else ''}" for s in stages)
+    )
+    print(f"report: {report}")
+    return result
+
+
+def main() -> None:
+    import hydra
+
+    @hydra.main(config_path="../conf", config_name="demo", version_base="1.3")
+    def _main(cfg) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        run_pipeline(cfg)
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Reports: a markdown page with PNG plots, a JSON of every number, and a short terminal table.
+
+Design decisions:
+- Plots are what a person would rather look at than read: τ per prompt set and method, acceptance per draft
+  position, step time against context length, tokens/s with the speedup over plain decoding.
+- Everything the plots show is also in ``results.json`` (the report never holds a number the JSON lacks).
+- matplotlib's Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from eval.acceptance import AcceptanceResult  # noqa: E402
+from eval.profile import StepProfile  # noqa: E402
+
+
+def _grouped_bars(ax, sets: list[str], methods: list[str], value) -> None:
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        ys = [value(s, m) for s in sets]
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(sets))]
+        bars = ax.bar(xs, ys, width, label=m)
+        for b, y in zip(bars, ys):
+            if y == y:  # not NaN
+                ax.annotate(
+                    f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7
+                )
+    ax.set_xticks(range(len(sets)), sets)
+    ax.legend(fontsize=8)
+
+
+def plot_tau(acc: AcceptanceResult, path: Path) -> Path:
+    sets = list(dict.fromkeys(r.prompt_set for r in acc.results))
+    methods = list(dict.fromkeys(r.method for r in acc.results))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _grouped_bars(ax, sets, methods, lambda s, m: getattr(acc.get(s, m), "tau", float("nan")))
+    ax.set_ylabel("acceptance length τ (tokens / verify step)")
+    ax.set_title("τ per prompt set")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(acc: AcceptanceResult, path: Path) -> Path:
+    sets = list(dict.fromkeys(r.prompt_set for r in acc.results))
+    methods = list(dict.fromkeys(r.method for r in acc.results))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _grouped_bars(ax, sets, methods, lambda s, m: getattr(acc.get(s, m), "tokens_per_s", float("nan")))
+    ax.set_ylabel("tokens / s (end to end)")
+    ax.set_title("Throughput per prompt set")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance_by_position(acc: AcceptanceResult, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in acc.results:
+        if r.acceptance_by_position and r.method != "none":
+            xs = list(range(1, len(r.acceptance_by_position) + 1))
+            ax.plot(xs, r.acceptance_by_position, marker="o", label=f"{r.prompt_set} / {r.method}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted ≥ position)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance per draft position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_step_time(prof: StepProfile, path: Path, chain_length: int | None = None) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for n, ms in sorted(prof.verify_ms.items()):
+        ax.plot(prof.context_lengths, ms, marker="o", label=f"verify, {n} token{'s' if n > 1 else ''}")
+    if prof.draft_step_ms:
+        ax.plot(prof.context_lengths, prof.draft_step_ms, marker="s", ls="--", label="draft, one step")
+        if chain_length:
+            total = [prof.draft_ms(i, chain_length) for i in range(len(prof.context_lengths))]
+            ax.plot(prof.context_lengths, total, marker="s", ls=":", label=f"draft, chain of {chain_length}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("ms")
+    ax.set_title("Step time against context length")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def results_table(acc: AcceptanceResult, title: str = "eyas: acceptance and throughput") -> Table:
+    t = Table(title=title)
+    for col in ("set", "method", "τ", "accept@1..", "tok/s", "speedup", "greedy match"):
+        t.add_column(col, justify="right" if col not in ("set", "method") else "left")
+    for r in acc.results:
+        pos = " ".join(f"{a:.2f}" for a in r.acceptance_by_position[:6])
+        t.add_row(
+            r.prompt_set,
+            r.method,
+            f"{r.tau:.2f}",
+            pos,
+            f"{r.tokens_per_s:.1f}",
+            "" if r.speedup != r.speedup else f"{r.speedup:.2f}x",
+            "" if r.match_rate != r.match_rate else f"{r.match_rate:.0%}",
+        )
+    return t
+
+
+def print_table(acc: AcceptanceResult, title: str = "eyas: acceptance and throughput") -> None:
+    Console().print(results_table(acc, title))
+
+
+def markdown_table(acc: AcceptanceResult) -> str:
+    lines = [
+        "| set | method | τ | acceptance per position | tokens/s | speedup | greedy match |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
+    for r in acc.results:
+        pos = " ".join(f"{a:.2f}" for a in r.acceptance_by_position)
+        sp = "" if r.speedup != r.speedup else f"{r.speedup:.2f}×"
+        mr = "" if r.match_rate != r.match_rate else f"{r.match_rate:.0%}"
+        lines.append(
+            f"| {r.prompt_set} | {r.method} | {r.tau:.2f} | {pos} | {r.tokens_per_s:.1f} | {sp} | {mr} |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(
+    out_dir: Path,
+    acc: AcceptanceResult,
+    prof: StepProfile | None = None,
+    extra: dict[str, Any] | None = None,
+    title: str = "eyas evaluation",
+    chain_length: int | None = None,
+    command: str | None = None,
+) -> Path:
+    """Write ``report.md``, the plots and ``results.json`` into ``out_dir``; returns the report path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = {
+        "τ per set": plot_tau(acc, out_dir / "tau.png"),
+        "acceptance per position": plot_acceptance_by_position(acc, out_dir / "acceptance_by_position.png"),
+        "tokens/s": plot_throughput(acc, out_dir / "throughput.png"),
+    }
+    if prof is not None:
+        plots["step time vs context"] = plot_step_time(prof, out_dir / "step_time.png", chain_length)
+    data: dict[str, Any] = {"acceptance": acc.to_dict()}
+    if prof is not None:
+        data["profile"] = prof.to_dict()
+    if extra:
+        data.update(extra)
+    (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=float))
+    md = [f"# {title}", ""]
+    if command:
+        md += ["Reproduce with:", "", f"    {command}", ""]
+    md += [markdown_table(acc), ""]
+    if extra:
+        md += ["## Run facts", ""]
+        md += [f"- **{k}**: {v}" for k, v in extra.items() if not isinstance(v, (dict, list))]
+        md.append("")
+    for name, p in plots.items():
+        md += [f"## {name}", "", f"![{name}]({p.name})", ""]
+    if prof is not None:
+        md += [
+            "## Step time (ms, median)",
+            "",
+            "| context | "
+            + " | ".join(
+                [f"verify {n}" for n in sorted(prof.verify_ms)]
+                + (["draft step"] if prof.draft_step_ms else [])
+            )
+            + " |",
+            "|---:|" + "---:|" * (len(prof.verify_ms) + (1 if prof.draft_step_ms else 0)),
+        ]
+        for i, length in enumerate(prof.context_lengths):
+            row = [f"{prof.verify_ms[n][i]:.1f}" for n in sorted(prof.verify_ms)]
+            if prof.draft_step_ms:
+                row.append(f"{prof.draft_step_ms[i]:.2f}")
+            md.append(f"| {length} | " + " | ".join(row) + " |")
+        md.append("")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md))
+    return path
+
+
+def plot_predicted_vs_measured(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Predicted (line) and measured (markers) tokens/s against context, one colour per method / prompt set.
+
+    rows: dicts with ``method``, ``set``, ``L`` (context), ``pred``, ``meas`` and ``flagged``.
+    """
+    fig, ax = plt.subplots(figsize=(7, 4))
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(f"{r['method']} / {r['set']}", []).append(r)
+    for i, (name, rs) in enumerate(groups.items()):
+        rs = sorted(rs, key=lambda r: r["L"])
+        color = f"C{i % 10}"
+        xs = [r["L"] for r in rs]
+        ax.plot(xs, [r["pred"] for r in rs], color=color, ls="-", label=f"{name}: predicted")
+        ax.plot(xs, [r["meas"] for r in rs], color=color, ls="none", marker="o", label=f"{name}: measured")
+        for r in rs:
+            if r.get("flagged"):
+                ax.annotate("!", (r["L"], r["meas"]), color="red", fontsize=12, ha="center", va="bottom")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("tokens / s (decode, batch 1)")
+    ax.set_title("Predicted τ ÷ step time against measured tokens/s")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_k_sweep(series: dict[str, list[float]], path: Path) -> Path:
+    """Predicted tokens/s against chain length K (entry K of each series; K = 0 is plain decoding)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in series.items():
+        best = max(range(len(ys)), key=lambda k: ys[k])
+        line = ax.plot(range(len(ys)), ys, marker="o", label=name)[0]
+        ax.plot([best], [ys[best]], marker="*", markersize=14, color=line.get_color())
+    ax.set_xlabel("chain length K (drafts per step)")
+    ax.set_ylabel("predicted tokens / s")
+    ax.set_title("Predicted tokens/s against K (★ = best)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,129 @@
+"""Real multi-process runs through ``accelerate launch -m train``: 2-process gloo DDP, DeepSpeed ZeRO-3 (2 processes)
+and ZeRO-2 (1 process) each reach the weights of the single-process run with the same global batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.checkpoint import latest_checkpoint, load_weights
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny llama + chat tokenizer saved as a model directory (what ``target.path`` takes)."""
+    from serving.tiny import tiny_model
+
+    from .tokenizers import make_chat_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny_target")
+    tok = make_chat_tokenizer("chatml")
+    tiny_model("llama", seed=0, vocab_size=len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def _overrides(tiny_dir: Path, out: Path, grad_accum: int) -> list[str]:
+    return [
+        f"target.path={tiny_dir}",
+        "target.dtype=float32",
+        "train=smoke",
+        "drafter.draft_vocab_size=64",
+        f"train.output_dir={out}",
+        "train.wandb.mode=disabled",
+        "train.max_steps=4",
+        "train.save_every=4",
+        f"train.grad_accum={grad_accum}",
+        "train.data.synthetic.num_samples=8",
+        "train.data.synthetic.shuffle=false",
+        f"hydra.run.dir={out}/hydra",  # keep Hydra's run directory out of the repository
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: str, processes: int, overrides: list[str]) -> None:
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    for attempt in range(2):  # another job on this machine may take the free port between probe and bind
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            f"conf/accelerate/{config}.yaml",
+            "--num_processes",
+            str(processes),
+            "--num_cpu_threads_per_process",
+            "1",
+            "--main_process_port",
+            str(_free_port()),
+            "-m",
+            "train",
+            *overrides,
+        ]
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        if r.returncode == 0 or "address already in use" not in (r.stdout + r.stderr).lower() or attempt:
+            break
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_weights(latest_checkpoint(out / "checkpoints"))
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.isfinite(a[k].float()).all(), k
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_dir, tmp_path_factory):
+    """The reference: one process, two micro-batches per step (in this process, through the Hydra configs)."""
+    from hydra import compose, initialize_config_dir
+
+    from train.__main__ import configs
+    from train.setup import run
+
+    out = tmp_path_factory.mktemp("single")
+    n = torch.get_num_threads()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*_overrides(tiny_dir, out, 2), "train.threads=1"])
+    try:
+        res = run(*configs(cfg))
+    finally:
+        torch.set_num_threads(n)
+    assert res.steps == 4
+    return _weights(out)
+
+
+def test_ddp_two_processes_equal_single_process_same_global_batch(tiny_dir, single, tmp_path):
+    _launch("cpu_ddp", 2, _overrides(tiny_dir, tmp_path, 1))
+    _assert_same(_weights(tmp_path), single, atol=1e-6)
+    train_lines = [x for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in x]
+    assert len(train_lines) == 4 and '"tokens": 64' in train_lines[0]  # both processes' tokens counted
+
+
+def test_deepspeed_zero3_two_processes_equal_single_process(tiny_dir, single, tmp_path):
+    _launch("zero3_cpu", 2, _overrides(tiny_dir, tmp_path, 1))
+    assert (latest_checkpoint(tmp_path / "checkpoints") / "ds").is_dir()
+    _assert_same(_weights(tmp_path), single, atol=1e-5)
+
+
+def test_deepspeed_zero2_one_process_with_accumulation_equals_single_process(tiny_dir, single, tmp_path):
+    _launch("zero2_cpu", 1, _overrides(tiny_dir, tmp_path, 2))
+    _assert_same(_weights(tmp_path), single, atol=1e-5)

@@ -1,0 +1,319 @@
+"""The training loop on a tiny target: learning, SIGKILL + resume == uninterrupted, NaN stop, config-mismatch and
+empty-data errors, a store of another target refused, and store-fed loss == online loss."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from train.checkpoint import CheckpointMismatchError, TrainerState, latest_checkpoint, load_weights
+from train.config import DraftModelConfig, SyntheticDataConfig, TrainConfig
+from train.loop import EmptyDataError, NonFiniteLossError, evaluate, fit
+from train.losses import DistillationModel, VocabMaps, build_teacher
+from train.setup import build_drafter
+from train.sources import ListSource
+from train.synthetic import synthetic_data
+from train.vocab import build_draft_vocab
+
+from .conftest import make_tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run faster on one thread on a shared CPU; the killed child process uses one thread too."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_setup(num_samples: int = 8, seq_len: int = 24, draft_vocab: int = 256):
+    """A tiny target with a sharp next-token distribution (learnable), its synthetic data and a fresh drafter."""
+    target = make_tiny_target("llama", seed=3)
+    with torch.no_grad():
+        target.head.weight.mul_(50.0)
+    data = synthetic_data(
+        target, SyntheticDataConfig(num_samples=num_samples, eval_samples=4, seq_len=seq_len, shuffle=False)
+    )
+    vocab = build_draft_vocab(data.vocab_counts, draft_vocab)
+    drafter = build_drafter(target, DraftModelConfig(draft_vocab_size=draft_vocab), vocab, seed=0)
+    return target, drafter, data
+
+
+def tiny_cfg(out: Path, **kw) -> TrainConfig:
+    base = dict(
+        output_dir=str(out),
+        max_steps=8,
+        lr=3e-3,
+        warmup_steps=1,
+        eval_every=0,
+        save_every=2,
+        log_every=1,
+        progress=False,
+        wandb={"mode": "disabled"},
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+class SlowSource(ListSource):
+    """A ListSource that sleeps before each batch (keeps the child run alive long enough to be killed)."""
+
+    def __init__(self, batches, delay: float):
+        super().__init__(batches, shuffle=False)
+        self.delay = delay
+
+    def __iter__(self):
+        for b in super().__iter__():
+            time.sleep(self.delay)
+            yield b
+
+
+CHILD = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from tests.test_train_loop import SlowSource, tiny_cfg, tiny_setup
+from train.loop import fit
+torch.set_num_threads(1)  # after the imports: tests/conftest.py sets its own count
+target, drafter, data = tiny_setup()
+fit(tiny_cfg({out!r}), drafter, SlowSource(data.train, 0.3), data.eval, head=target.head, target_info=target.info)
+"""
+
+
+def test_training_lowers_the_loss_and_raises_acceptance(tmp_path):
+    target, drafter, data = tiny_setup()
+    cfg = tiny_cfg(tmp_path, max_steps=24, save_every=0)
+    maps = VocabMaps.from_draft_ids(drafter.draft_to_target, drafter.config.vocab_size)
+    kw = dict(maps=maps, form="auto", oov_rule="teacher", head=target.head)
+    stub = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    # 8 random sequences cannot generalise: "held out" here is the training set itself (can it fit the teacher?)
+    before = evaluate(stub, DistillationModel(drafter, cfg.step_weights), data.train, kw, cfg.step_weights)
+    res = fit(
+        cfg,
+        drafter,
+        ListSource(data.train, shuffle=True),
+        data.train,
+        head=target.head,
+        target_info=target.info,
+    )
+    assert res.steps == 24 and res.final_eval is not None
+    assert res.final_eval["loss"] < 0.8 * before.loss
+    assert res.final_eval["step_acc"][0] > before.step_acc[0] + 0.1
+    assert res.final_eval["tau_chain"] > before.acceptance.tau_chain
+    assert all(torch.isfinite(v).all() for v in load_weights(res.last_checkpoint).values())
+    assert (tmp_path / "best" / "drafter.safetensors").exists()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len([x for x in lines if '"kind": "train"' in x]) == 24
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(repo=str(REPO), out=str(killed))],
+        env={**os.environ, "WANDB_MODE": "disabled"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.time() + 120
+        while not (killed / "checkpoints" / "step_00000002").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, "the child never wrote its first checkpoint"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    stopped_at = TrainerState.read(latest_checkpoint(killed / "checkpoints")).step
+    assert 2 <= stopped_at < 8, "the child must be killed before it finished"
+
+    target, drafter, data = tiny_setup()
+    resumed = fit(
+        tiny_cfg(killed),
+        drafter,
+        ListSource(data.train, shuffle=False),
+        data.eval,
+        head=target.head,
+        target_info=target.info,
+    )
+    assert resumed.resumed_from is not None and resumed.steps_this_run == 8 - stopped_at
+    target, drafter, data = tiny_setup()
+    straight = fit(
+        tiny_cfg(tmp_path / "straight"),
+        drafter,
+        ListSource(data.train, shuffle=False),
+        data.eval,
+        head=target.head,
+        target_info=target.info,
+    )
+    a, b = load_weights(resumed.last_checkpoint), load_weights(straight.last_checkpoint)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    steps = [
+        int(x.split('"step": ')[1].split(",")[0])
+        for x in (killed / "metrics.jsonl").read_text().splitlines()
+        if '"kind": "train"' in x
+    ]
+    assert steps == list(range(1, 9))  # the killed run's lines past its checkpoint were dropped
+
+
+def test_nan_loss_stops_with_step_and_sample_ids_and_keeps_last_good_checkpoint(tmp_path):
+    target, drafter, data = tiny_setup()
+    batches = list(data.train)
+    bad = batches[2]
+    bad.aux = bad.aux.clone()
+    bad.aux[0, 5] = float("nan")
+    with pytest.raises(NonFiniteLossError, match="step 3") as err:
+        fit(
+            tiny_cfg(tmp_path, save_every=1),
+            drafter,
+            ListSource(batches, shuffle=False),
+            None,
+            head=target.head,
+            target_info=target.info,
+        )
+    assert err.value.step == 3 and err.value.sample_ids == bad.sample_ids[0]
+    last = latest_checkpoint(tmp_path / "checkpoints")
+    assert TrainerState.read(last).step == 2
+    assert all(torch.isfinite(v).all() for v in load_weights(last).values())
+
+
+def test_resume_with_another_config_or_no_data_is_refused(tmp_path):
+    target, drafter, data = tiny_setup(num_samples=2)
+    fit(
+        tiny_cfg(tmp_path, max_steps=2),
+        drafter,
+        ListSource(data.train),
+        None,
+        head=target.head,
+        target_info=target.info,
+    )
+    with pytest.raises(CheckpointMismatchError, match=r"lr: 0\.003 -> 0\.002"):
+        fit(
+            tiny_cfg(tmp_path, max_steps=2, lr=2e-3),
+            drafter,
+            ListSource(data.train),
+            None,
+            head=target.head,
+            target_info=target.info,
+        )
+    with pytest.raises(FileExistsError, match="resume=never"):
+        fit(
+            tiny_cfg(tmp_path, max_steps=2, resume="never"),
+            drafter,
+            ListSource(data.train),
+            None,
+            head=target.head,
+            target_info=target.info,
+        )
+    with pytest.raises(EmptyDataError, match="empty"):
+        fit(
+            tiny_cfg(tmp_path / "empty"),
+            drafter,
+            ListSource([]),
+            None,
+            head=target.head,
+            target_info=target.info,
+        )
+
+
+def _samples():
+    from .test_store import random_samples
+
+    return random_samples(12, seed=4, max_len=30)
+
+
+def test_store_data_for_its_target_and_refused_for_another(tmp_path):
+    from data.extract import ExtractConfig, extract
+    from data.store import StoreMismatchError
+    from train.setup import run_data
+
+    samples = _samples()
+    target = make_tiny_target(seed=1)
+    extract(samples, target, tmp_path / "store", ExtractConfig(progress=False))
+    cfg = tiny_cfg(
+        tmp_path,
+        data={
+            "source": "store",
+            "store_dir": str(tmp_path / "store"),
+            "eval_fraction": 0.3,
+            "loader": {"batch_rows": 2, "max_tokens": 64},
+        },
+    )
+    rd = run_data(target, cfg, rank=0, world=1)
+    train_ids = {i for b in rd.train for row in b.sample_ids for i in row}
+    eval_ids = {i for b in rd.eval for row in b.sample_ids for i in row}
+    assert train_ids and eval_ids and not train_ids & eval_ids
+    expected = sum(s.num_loss_tokens for s in samples if s.id in train_ids)
+    assert int(rd.vocab_counts.sum()) == expected  # the vocabulary counts the training split only
+    other = make_tiny_target(seed=1, hidden_size=32)
+    with pytest.raises(StoreMismatchError, match="hidden_size"):
+        run_data(other, cfg, rank=0, world=1)
+
+
+@pytest.mark.parametrize("preset", ["default", "demo", "smoke"])
+def test_hydra_presets_build_typed_configs(preset):
+    from hydra import compose, initialize_config_dir
+
+    from train.__main__ import configs
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"train={preset}"])
+    _, drafter_cfg, train_cfg = configs(cfg)
+    assert isinstance(train_cfg.data.synthetic, SyntheticDataConfig) and train_cfg.betas == (0.9, 0.95)
+    # the YAML spells out every option of every config dataclass (nothing silently left to a code default)
+    from dataclasses import fields
+
+    from train.config import DataSourceConfig, WandbConfig
+
+    for cls, node in [
+        (TrainConfig, cfg.train),
+        (DraftModelConfig, cfg.drafter),
+        (WandbConfig, cfg.train.wandb),
+        (DataSourceConfig, cfg.train.data),
+        (SyntheticDataConfig, cfg.train.data.synthetic),
+    ]:
+        assert {f.name for f in fields(cls)} == set(node), cls.__name__
+
+
+@pytest.mark.parametrize("opts", [{}, {"aux_dtype": "float8_e4m3", "distribution": "topk", "topk": 8}])
+def test_store_fed_loss_equals_online_loss(tmp_path, opts):
+    from data.extract import ExtractConfig, extract
+    from data.loader import FeatureLoader, LoaderConfig
+    from data.online import online_loader
+    from data.store import FeatureStore, StoreOptions
+
+    target = make_tiny_target(seed=2)
+    samples = _samples()
+    options = StoreOptions(**opts)
+    extract(samples, target, tmp_path / "s", ExtractConfig(store=options, progress=False))
+    lc = LoaderConfig(batch_rows=1, max_tokens=48, shuffle=False)  # packed: several samples per row
+    stored = list(FeatureLoader(FeatureStore(tmp_path / "s", expect_target=target.info), lc))
+    online = list(online_loader(samples, target, lc, options))
+    assert len(stored) == len(online) > 2
+    vocab = build_draft_vocab(torch.ones(target.vocab_size, dtype=torch.long), 128)
+    drafter = build_drafter(target, DraftModelConfig(draft_vocab_size=128), vocab, seed=0)
+    maps = VocabMaps.from_draft_ids(vocab.draft_to_target, target.vocab_size)
+    model = DistillationModel(drafter, [0.8**j for j in range(3)])
+    losses = []
+    for a, b in zip(stored, online):
+        pair = []
+        for batch in (a, b):
+            t = build_teacher(batch, maps, head=target.head)
+            with torch.no_grad():
+                out = model(batch.input_ids, batch.aux, batch.position_ids, batch.segment_ids, t, 1.0)
+            pair.append(out.loss)
+        losses.append(pair)
+    s, o = torch.stack([p[0] for p in losses]), torch.stack([p[1] for p in losses])
+    assert bool((s > 0).all())
+    torch.testing.assert_close(s, o, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,275 @@
+"""Distillation loss: soft CE, teachers from hidden states and top-k, the TTT loss and acceptance counts against
+direct per-row computations of the spec, and the simulated-acceptance formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from data.types import Batch
+from serving.drafter import DrafterConfig, Eagle3Drafter
+from serving.target import TargetHead
+from train.losses import ChainCounts, DistillationModel, VocabMaps, build_teacher, soft_cross_entropy
+from train.metrics import simulated_acceptance
+
+V, H, K = 40, 16, 3
+DRAFT = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13, 17, 19, 23, 29, 31, 37])  # 14 of 40 target ids
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_soft_cross_entropy_equals_direct_computation_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 7, generator=g, dtype=torch.float64).float().requires_grad_()
+    p = torch.softmax(torch.randn(5, 7, generator=g) * 3, -1)
+    p[0] = torch.tensor([0, 0, 1.0, 0, 0, 0, 0])  # a one-hot teacher: CE = -log q_2
+    ce = soft_cross_entropy(z, p)
+    z2 = z.detach().clone().requires_grad_()
+    ref = -(p * torch.log_softmax(z2, -1)).sum(-1)
+    torch.testing.assert_close(ce, ref, rtol=1e-6, atol=1e-6)
+    assert ce[0].item() == pytest.approx(-torch.log_softmax(z.detach()[0], -1)[2].item(), rel=1e-6)
+    w = torch.arange(1.0, 6.0)
+    (ce * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(z.grad, z2.grad, rtol=1e-5, atol=1e-6)
+
+
+def _packed_batch(seed: int = 0) -> tuple[Batch, TargetHead]:
+    """Two rows: row 0 packs samples of 7 and 5 tokens then 2 pads; row 1 one sample of 11 tokens, 3 pads."""
+    g = torch.Generator().manual_seed(seed)
+    t = 14
+    seg = torch.zeros(2, t, dtype=torch.long)
+    seg[0, :7], seg[0, 7:12], seg[1, :11] = 1, 2, 1
+    pos = torch.zeros(2, t, dtype=torch.long)
+    pos[0, :7], pos[0, 7:12], pos[1, :11] = torch.arange(7), torch.arange(5), torch.arange(11)
+    loss = (torch.rand(2, t, generator=g) < 0.75) & (seg > 0)
+    ids = torch.randint(0, V, (2, t), generator=g) * (seg > 0)
+    head = TargetHead(torch.randn(V, H, generator=g) * 2.0)
+    batch = Batch(
+        input_ids=ids,
+        loss_mask=loss,
+        position_ids=pos,
+        segment_ids=seg,
+        aux=torch.randn(2, t, 3 * H, generator=g),
+        target_hidden=torch.randn(2, t, H, generator=g),
+        sample_ids=[["a", "b"], ["c"]],
+    )
+    return batch, head
+
+
+def _drafter(seed: int = 0) -> Eagle3Drafter:
+    cfg = DrafterConfig(
+        hidden_size=H,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        vocab_size=V,
+        draft_vocab_size=len(DRAFT),
+        aux_layer_ids=[0, 1, 2],
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(cfg)
+    d.set_embedding(torch.randn(V, H))
+    d.set_vocab_map(DRAFT)
+    return d
+
+
+def _direct_loss(drafter, out, batch, head, weights, oov_rule="teacher"):
+    """The spec, one row at a time: TTT step j, row t predicts x_{t+j+2} from the teacher at t+j+1."""
+    b_, t_ = batch.input_ids.shape
+    seg, lm = batch.segment_ids, batch.loss_mask
+    in_draft = set(DRAFT.tolist())
+    total = torch.zeros(())
+    rows = dropped = 0
+    per_row: dict[tuple[int, int, int], tuple[bool, bool]] = {}  # (b, t, j) -> (correct, data follows argmax)
+    for b in range(b_):
+        for t in range(t_):
+            for j in range(len(weights)):
+                p, q = t + j + 1, t + j + 2
+                if q >= t_ or seg[b, t] == 0 or seg[b, q] != seg[b, t] or not lm[b, q]:
+                    continue
+                full = head(batch.target_hidden[b, p][None])[0]  # [V]
+                top = int(full.argmax())
+                oov = (
+                    (top not in in_draft)
+                    if oov_rule == "teacher"
+                    else (int(batch.input_ids[b, q]) not in in_draft)
+                )
+                z = drafter.logits(out.hidden[j][b, t][None])[0]
+                probs = torch.softmax(full[DRAFT], -1)
+                correct = (not oov) and int(z.argmax()) == int(probs.argmax())
+                per_row[(b, t, j)] = (correct, int(batch.input_ids[b, q]) == top)
+                if oov:
+                    dropped += 1
+                    continue
+                total = total + weights[j] * -(probs * torch.log_softmax(z, -1)).sum()
+                rows += 1
+    n_sup = sum(
+        1
+        for b in range(b_)
+        for p in range(t_ - 1)
+        if lm[b, p + 1] and seg[b, p] > 0 and seg[b, p + 1] == seg[b, p]
+    )
+    return total / n_sup, rows, dropped, per_row
+
+
+@pytest.mark.parametrize(
+    ("oov_rule", "keep_oov", "with_chain"),
+    [("teacher", False, False), ("teacher", True, False), ("label", False, False), ("teacher", True, True)],
+)
+def test_ttt_loss_equals_direct_per_row_computation(oov_rule, keep_oov, with_chain):
+    """Training (teacher order, OOV rows dropped from the table or weighted 0) and evaluation (per-row) paths."""
+    batch, head = _packed_batch()
+    weights = [0.8**j for j in range(K)]
+    maps = VocabMaps.from_draft_ids(DRAFT, V)
+    teacher = build_teacher(
+        batch,
+        maps,
+        form="hidden",
+        oov_rule=oov_rule,
+        head=head,
+        draft_rows_head=TargetHead(head.weight[DRAFT]),
+        keep_oov=keep_oov,
+    )
+    drafter = _drafter()
+    model = DistillationModel(drafter, weights)
+    normalizer = float(build_teacher(batch, maps, head=head).num_positions)  # all supervised positions
+    out = model(
+        batch.input_ids,
+        batch.aux,
+        batch.position_ids,
+        batch.segment_ids,
+        teacher,
+        normalizer,
+        with_chain=with_chain,
+    )
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+    drafter.zero_grad()
+    ttt = drafter.forward_ttt(batch.input_ids, batch.aux, K, batch.position_ids, batch.segment_ids)
+    ref, rows, dropped, _ = _direct_loss(drafter, ttt, batch, head, weights, oov_rule)
+    assert rows > 10 and dropped > 0  # both kinds of rows occur
+    assert int(out.count.sum()) == rows
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-6)
+    ref.backward()
+    for n, p in drafter.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_chain_counts_equal_direct_per_row_computation():
+    batch, head = _packed_batch(seed=3)
+    # a teacher whose argmax is target id 0 (= draft id 0) at most positions, a drafter that always says draft
+    # id 0 (zero lm_head: argmax of equal logits is the first), and data that follows the teacher's argmax half
+    # of the time: chains survive past step 0 and every case of the counting occurs
+    bias = torch.zeros(V)
+    bias[0] = 12.0
+    head = TargetHead(head.weight, bias)
+    full = head(batch.target_hidden)  # [B, T, V]
+    follow = torch.rand(batch.input_ids.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+    nxt = full.argmax(-1)
+    ids = batch.input_ids.clone()
+    ids[:, 1:] = torch.where(follow[:, 1:], nxt[:, :-1], ids[:, 1:])
+    batch.input_ids = ids * (batch.segment_ids > 0)
+    weights = [1.0] * K
+    maps = VocabMaps.from_draft_ids(DRAFT, V)
+    teacher = build_teacher(batch, maps, form="hidden", oov_rule="teacher", head=head)
+    drafter = _drafter(seed=1)
+    with torch.no_grad():
+        drafter.lm_head.weight.zero_()
+    model = DistillationModel(drafter, weights)
+    with torch.no_grad():
+        out = model(
+            batch.input_ids, batch.aux, batch.position_ids, batch.segment_ids, teacher, 1.0, with_chain=True
+        )
+        ttt = drafter.forward_ttt(batch.input_ids, batch.aux, K, batch.position_ids, batch.segment_ids)
+        _, _, _, per_row = _direct_loss(drafter, ttt, batch, head, weights)
+    counted, correct, reach, hits = ([0] * K for _ in range(4))
+    for b in range(2):
+        for t in range(batch.input_ids.shape[1]):
+            alive = True
+            for j in range(K):
+                if (b, t, j) not in per_row:
+                    alive = False
+                    continue
+                ok, follows = per_row[(b, t, j)]
+                counted[j] += 1
+                correct[j] += ok
+                if alive:
+                    reach[j] += 1
+                    hits[j] += ok
+                alive = alive and ok and follows
+    got = out.chain
+    assert got.counted.tolist() == counted and got.correct.tolist() == correct
+    assert got.reach.tolist() == reach and got.hits.tolist() == hits
+    assert hits[1] > 0 and reach[1] < counted[1] and hits[0] < reach[0]  # every case of the chain occurs
+
+
+def test_topk_teacher_renormalises_inside_the_draft_vocabulary():
+    v, draft = 10, torch.tensor([1, 3, 5, 7])
+    maps = VocabMaps.from_draft_ids(draft, v)
+    # three positions whose next token is a loss token: p = 0, 1, 2 (token 3 is not a loss token)
+    lp = torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.3, 0.05], [0.7, 0.2, 0.1]]))
+    tk = torch.tensor([[3, 2, 7], [2, 5, 1], [4, 6, 8]])
+    batch = Batch(
+        input_ids=torch.tensor([[0, 5, 2, 9]]),
+        loss_mask=torch.tensor([[False, True, True, True]]),
+        position_ids=torch.arange(4)[None],
+        segment_ids=torch.ones(1, 4, dtype=torch.long),
+        aux=torch.zeros(1, 4, 6),
+        topk_logprobs=torch.cat([lp, torch.zeros(1, 3)])[None],
+        topk_ids=torch.cat([tk, torch.zeros(1, 3, dtype=torch.long)])[None],
+        tail_mass=torch.zeros(1, 4),
+    )
+    t = build_teacher(batch, maps, form="topk", oov_rule="teacher")
+    assert t.index.tolist() == [[0, 1, 2, -1]]
+    expected = torch.zeros(3, 4)
+    expected[0, 1], expected[0, 3] = 0.5 / 0.6, 0.1 / 0.6  # ids 3 and 7 are draft tokens 1 and 3
+    expected[1, 2], expected[1, 0] = 0.3 / 0.35, 0.05 / 0.35  # ids 5 and 1
+    torch.testing.assert_close(t.probs[:2], expected[:2])
+    assert t.target_argmax.tolist() == [3, 2, 4]
+    assert t.in_vocab.tolist() == [True, False, False]  # argmax 2 and 4 are outside; row 2 has no mass at all
+    lab = build_teacher(batch, maps, form="topk", oov_rule="label")  # labels 5, 2, 9
+    assert lab.in_vocab.tolist() == [True, False, False]
+
+
+def test_simulated_acceptance_formulas():
+    chain = ChainCounts(
+        counted=torch.tensor([10.0, 10.0]),
+        correct=torch.tensor([5.0, 5.0]),
+        reach=torch.tensor([10.0, 5.0]),
+        hits=torch.tensor([5.0, 4.0]),
+    )
+    est = simulated_acceptance(chain)
+    assert est.acc == [0.5, 0.5] and est.cond_acc == [0.5, 0.8]
+    assert est.tau_indep == pytest.approx(1 + 0.5 + 0.5 * 0.5)
+    assert est.tau_chain == pytest.approx(1 + 0.5 + 0.5 * 0.8)
+    empty = simulated_acceptance(ChainCounts(*(torch.zeros(2) for _ in range(4))))
+    assert empty.tau_chain == 1.0 and not math.isnan(empty.tau_indep)
+
+
+def test_bf16_head_keeps_the_loss_close_to_fp32():
+    """Only lm_head runs in bf16: same loss to bf16 rounding, finite gradients everywhere."""
+    batch, head = _packed_batch(seed=5)
+    maps = VocabMaps.from_draft_ids(DRAFT, V)
+    teacher = build_teacher(batch, maps, head=head, keep_oov=False)
+    losses = []
+    for bf16 in (False, True):
+        drafter = _drafter()
+        out = DistillationModel(drafter, [1.0] * K, bf16_head=bf16)(
+            batch.input_ids, batch.aux, batch.position_ids, batch.segment_ids, teacher, 10.0
+        )
+        out.loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
+        losses.append(out.loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2) and losses[1] != losses[0]

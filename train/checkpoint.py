@@ -1,0 +1,332 @@
+"""Training checkpoints: exact resume, atomic on disk, refused across configs.
+
+A checkpoint is a directory ``<output_dir>/checkpoints/step_00000040/``::
+
+    trainer_state.json      step, config hash + identity, world size, tokens seen, best metric, wandb run id
+    drafter.safetensors     trainable drafter weights (no frozen target embedding) incl. d2t / t2d
+    drafter_config.json     DrafterConfig.to_dict()
+    optimizer.pt            AdamW state (plain data parallel; rank 0)    | ds/  DeepSpeed engine checkpoint
+    scheduler.pt            LR scheduler state                           |      (partitioned optimizer state)
+    rng_rank{r}.pt          python / numpy / torch (/ cuda) RNG states of rank r
+    data_rank{r}.pt         the data source's state_dict() on rank r (its position)
+
+Design decisions:
+- Atomic: every rank writes into ``.step_XXXXXXXX.tmp``; after a barrier rank 0 writes trainer_state.json last and
+  renames the directory. A run killed at any moment leaves whole checkpoints plus at most one ignored temp dir.
+  Multi-node runs need ``output_dir`` on a filesystem every node sees.
+- Only trainable weights are saved; the frozen embedding is the target's and comes back from the target.
+- Resume is refused, with the differing fields named, when the checkpoint's identity (trajectory-relevant
+  config, drafter sizes, target, world size) differs from the run's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from serving.drafter import WEIGHTS_FILE, save_drafter_weights
+from train.config import diff_identity
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointMismatchError(RuntimeError):
+    """The checkpoint was written by a run with another configuration."""
+
+
+@dataclass
+class TrainerState:
+    """``trainer_state.json``."""
+
+    step: int
+    config_hash: str
+    identity: dict[str, Any]
+    world_size: int
+    tokens_seen: int = 0
+    best_value: float | None = None
+    best_step: int | None = None
+    wandb_id: str | None = None
+    saved_at: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike) -> TrainerState:
+        path = Path(directory) / STATE_FILE
+        try:
+            d = json.loads(path.read_text())
+            return cls(**d)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{directory} is not a training checkpoint (no {STATE_FILE})") from e
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(
+                f"{path}: unreadable trainer state ({e}); resume from an older checkpoint"
+            ) from e
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` restored besides the objects it loaded in place."""
+
+    path: Path
+    state: TrainerState
+    data_state: Any
+
+
+# -- layout -----------------------------------------------------------------------------------------------------
+def checkpoints_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+# -- RNG --------------------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- weights ----------------------------------------------------------------------------------------------------
+def _is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def _zero_stage(accelerator) -> int:
+    plugin = accelerator.state.deepspeed_plugin if _is_deepspeed(accelerator) else None
+    return int(plugin.zero_stage) if plugin is not None else 0
+
+
+def trainable_weights(accelerator, model) -> dict[str, torch.Tensor] | None:
+    """Full trainable drafter weights on the CPU on the main process (None elsewhere). Collective under ZeRO-3."""
+    drafter = accelerator.unwrap_model(model).drafter
+    if _zero_stage(accelerator) == 3:
+        import deepspeed
+
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            sd = {k: v.detach().cpu().clone() for k, v in drafter.trainable_state_dict().items()}
+    else:
+        sd = {k: v.detach().cpu().clone() for k, v in drafter.trainable_state_dict().items()}
+    return sd if accelerator.is_main_process else None
+
+
+def save_weights(directory: Path, weights: dict[str, torch.Tensor], drafter_config: dict[str, Any]) -> None:
+    save_drafter_weights(directory, weights, drafter_config)
+
+
+def load_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(directory) / WEIGHTS_FILE))
+
+
+def load_drafter_weights(drafter, directory: str | os.PathLike) -> None:
+    """Load trainable weights into an (unwrapped) drafter; the frozen embedding must be the only key missing."""
+    weights = load_weights(directory)
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}: drafter weights do not fit this drafter (missing {missing}, unexpected {unexpected})"
+        )
+
+
+# -- save -------------------------------------------------------------------------------------------------------
+def save_checkpoint(
+    root: str | os.PathLike,
+    state: TrainerState,
+    *,
+    accelerator,
+    model,
+    optimizer,
+    scheduler,
+    data_state: Any,
+    drafter_config: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write checkpoint ``state.step`` atomically (collective: every process calls it)."""
+    root = Path(root)
+    final = root / f"step_{state.step:08d}"
+    tmp = root / f".step_{state.step:08d}.tmp"
+    rank = accelerator.process_index
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    accelerator.wait_for_everyone()
+    weights = trainable_weights(accelerator, model)
+    if _is_deepspeed(accelerator):
+        model.save_checkpoint(str(tmp / "ds"), tag="ds", save_latest=False, exclude_frozen_parameters=True)
+    elif accelerator.is_main_process:
+        torch.save(_optimizer_state(optimizer), tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    torch.save(data_state, tmp / f"data_rank{rank}.pt")
+    if accelerator.is_main_process:
+        save_weights(tmp, weights, drafter_config)
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state.saved_at = time.time()
+        _atomic_write(tmp / STATE_FILE, json.dumps(asdict(state), indent=1, sort_keys=True))
+        if final.exists():  # a re-save of the same step (e.g. resumed exactly at the end)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint saved: %s", final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _optimizer_state(optimizer) -> dict[str, Any]:
+    inner = getattr(
+        optimizer, "optimizer", optimizer
+    )  # accelerate's AcceleratedOptimizer wraps the torch one
+    return inner.state_dict()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_best(
+    directory: str | os.PathLike,
+    weights: dict[str, torch.Tensor],
+    drafter_config: dict[str, Any],
+    metrics: dict[str, Any],
+) -> None:
+    """Replace ``directory`` (the best drafter so far) atomically: weights, config and the metrics that chose it."""
+    directory = Path(directory)
+    tmp = directory.with_name("." + directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_weights(tmp, weights, drafter_config)
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    old = directory.with_name("." + directory.name + ".old")
+    if directory.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -- load -------------------------------------------------------------------------------------------------------
+def check_identity(state: TrainerState, config_hash: str, identity: dict[str, Any], path: Path) -> None:
+    if state.config_hash == config_hash:
+        return
+    diffs = diff_identity(state.identity, identity)
+    shown = "; ".join(diffs[:12]) + (f"; ... ({len(diffs) - 12} more)" if len(diffs) > 12 else "")
+    raise CheckpointMismatchError(
+        f"checkpoint {path} was written by a run with another configuration ({shown or 'hash differs'}). "
+        "Resume with the same settings, or start a new run in another train.output_dir (or train.resume=never "
+        "with an empty output_dir)"
+    )
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    accelerator,
+    model,
+    optimizer,
+    scheduler,
+    config_hash: str,
+    identity: dict[str, Any],
+) -> LoadedCheckpoint:
+    """Restore weights, optimizer, scheduler and this rank's RNG; return the state and this rank's data state."""
+    path = Path(path)
+    state = TrainerState.read(path)
+    check_identity(state, config_hash, identity, path)
+    rank = accelerator.process_index
+    if state.world_size != accelerator.num_processes:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} was written by {state.world_size} processes, this run has "
+            f"{accelerator.num_processes}: the data position of each process cannot be restored exactly; "
+            "resume with the same number of processes"
+        )
+    if _is_deepspeed(accelerator):
+        if not (path / "ds").is_dir():
+            raise CheckpointMismatchError(
+                f"checkpoint {path} holds no DeepSpeed state; resume without DeepSpeed"
+            )
+        model.load_checkpoint(
+            str(path / "ds"),
+            tag="ds",
+            load_module_strict=False,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+    else:
+        if not (path / "optimizer.pt").exists():
+            raise CheckpointMismatchError(
+                f"checkpoint {path} was written under DeepSpeed; resume with DeepSpeed"
+            )
+        load_drafter_weights(accelerator.unwrap_model(model).drafter, path)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=False))
+    data_state = torch.load(path / f"data_rank{rank}.pt", weights_only=False)
+    log.info("resumed from %s (step %d)", path, state.step)
+    return LoadedCheckpoint(path=path, state=state, data_state=data_state)

@@ -1,0 +1,294 @@
+"""Typed configs of the trainer (Hydra groups ``drafter/`` and ``train/``).
+
+Design decisions:
+- The Hydra ``DictConfig`` becomes these dataclasses at the entry point (:func:`from_dict`); only dataclasses go
+  inward, so ``fit`` and the tests never see OmegaConf.
+- :meth:`TrainConfig.identity` is what a checkpoint must share with the run that resumes it: every field that
+  changes the trajectory (optimiser, schedule, loss, data order) and none that only changes bookkeeping (where to
+  write, how often to log or save, wandb). Its hash is stored in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TEACHERS = ("auto", "hidden", "topk")
+OOV_RULES = ("teacher", "label")
+PRECISIONS = ("auto", "fp32", "bf16")
+WANDB_MODES = ("online", "offline", "disabled")
+DATA_SOURCES = ("store", "online", "synthetic")
+BEST_METRICS = ("tau_chain", "tau_indep", "loss")
+
+
+@dataclass
+class DraftModelConfig:
+    """The drafter to train (conf/drafter/*.yaml); the sizes not listed here are the target's."""
+
+    draft_vocab_size: int = 32000
+    """N: the drafter predicts the N most frequent loss-masked target tokens of the training data."""
+    intermediate_size: int | None = None
+    """MLP width of the drafter layer; None takes the target's."""
+    init_lm_head: str = "random"
+    """``random`` (nn.Linear default init) or ``target``: start ``lm_head`` from the target head's draft rows."""
+    vocab_file: str | None = None
+    """A JSON draft vocabulary written by :func:`train.vocab.DraftVocab.save`; None builds it from the data."""
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"drafter.draft_vocab_size must be positive, not {self.draft_vocab_size}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(
+                f"drafter.intermediate_size must be positive or null, not {self.intermediate_size}"
+            )
+        if self.init_lm_head not in ("random", "target"):
+            raise ValueError(f"drafter.init_lm_head must be 'random' or 'target', not {self.init_lm_head!r}")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging; never needs the network unless ``mode=online``."""
+
+    mode: str | None = None
+    """``online``, ``offline`` or ``disabled``; None: ``$WANDB_MODE``, else ``offline``."""
+    project: str = "eyas"
+    entity: str | None = None
+    name: str | None = None
+    """Run name; None lets wandb pick one."""
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(f"train.wandb.mode must be one of {WANDB_MODES} or null, not {self.mode!r}")
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Random token sequences run through the target: smoke runs, launch tests and the training benchmark."""
+
+    num_samples: int = 16
+    """Training samples in all (process r takes samples r, r + W, ...)."""
+    eval_samples: int = 4
+    """Held-out samples in all (split across processes the same way)."""
+    seq_len: int = 128
+    batch_size: int = 1
+    """Samples per micro-batch (padded to the longest)."""
+    loss_fraction: float = 0.7
+    """Each sample's last ``loss_fraction`` of tokens are marked as assistant tokens."""
+    teacher: str = "hidden"
+    """How the target distribution is stored in the batches: ``hidden`` or ``topk``."""
+    topk: int = 32
+    seed: int = 0
+    shuffle: bool = True
+    """Visit this process's batches in a new order every epoch (off: in sample order)."""
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 0 or self.eval_samples < 0:
+            raise ValueError("synthetic sample counts must be >= 0")
+        if self.seq_len < 2 or self.batch_size < 1:
+            raise ValueError("synthetic seq_len must be >= 2 and batch_size >= 1")
+        if not 0.0 < self.loss_fraction <= 1.0:
+            raise ValueError(f"synthetic loss_fraction must be in (0, 1], not {self.loss_fraction}")
+        if self.teacher not in ("hidden", "topk"):
+            raise ValueError(f"synthetic teacher must be 'hidden' or 'topk', not {self.teacher!r}")
+
+
+@dataclass
+class DataSourceConfig:
+    """Where training batches come from."""
+
+    source: str = "store"
+    """``store`` (a feature store written by ``python -m data.extract``), ``online`` (the trainer runs the target
+    over formatted samples itself) or ``synthetic`` (random tokens through the target; smoke tests, benchmarks)."""
+    store_dir: str | None = None
+    """Feature store directory (``source=store``)."""
+    samples: str | None = None
+    """Formatted samples JSONL (``{"id", "input_ids", "loss_mask"}``, the chat stage's output; ``source=online``)."""
+    eval_fraction: float = 0.02
+    """Share of samples (by a hash of their id) held out for the simulated-acceptance metric."""
+    loader: dict[str, Any] = field(default_factory=dict)
+    """``data.loader.LoaderConfig`` settings (batch_rows, max_tokens, packing, shuffle seed, dtype...)."""
+    online: dict[str, Any] = field(default_factory=dict)
+    """``data.store.StoreOptions`` of the online mode (aux dtype, distribution, topk): the same rounding as a
+    store made with them."""
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+    def __post_init__(self) -> None:
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"train.data.source must be one of {DATA_SOURCES}, not {self.source!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"train.data.eval_fraction must be in [0, 1), not {self.eval_fraction}")
+        if isinstance(self.synthetic, dict):
+            self.synthetic = from_dict(SyntheticDataConfig, self.synthetic)
+        self.loader = dict(self.loader or {})
+        self.online = dict(self.online or {})
+        for key in ("split", "eval_fraction"):
+            if key in self.loader:
+                raise ValueError(
+                    f"train.data.loader.{key} is set by the trainer; use train.data.eval_fraction"
+                )
+
+
+@dataclass
+class TrainConfig:
+    """One training run (conf/train/*.yaml). Steps count optimizer updates."""
+
+    output_dir: str = "runs/train"
+    """Checkpoints, metrics.jsonl, wandb files and the best drafter go here (a shared filesystem on multi-node)."""
+    max_steps: int = 1000
+    """Optimizer steps (each = grad_accum micro-batches on every process)."""
+    epochs: float | None = None
+    """If set, overrides max_steps with ceil(epochs * batches per epoch / grad_accum) (needs a sized source)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each process."""
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    warmup_steps: int | None = None
+    """Linear warm-up length; None uses ``warmup_ratio``."""
+    warmup_ratio: float = 0.015
+    min_lr_ratio: float = 0.0
+    """The cosine decays from ``lr`` to ``lr * min_lr_ratio`` at ``max_steps``."""
+    max_grad_norm: float = 0.5
+    """Global gradient-norm clip (0 disables)."""
+    ttt_steps: int = 7
+    """Training-time-test unroll length (draft steps trained per position)."""
+    step_decay: float = 0.8
+    """Loss weight of TTT step j is step_decay ** j."""
+    teacher: str = "auto"
+    """Target distribution to distil from: ``hidden`` (stored final hidden state through the frozen target head,
+    draft rows only), ``topk`` (stored top-k log-probs mapped into the draft vocabulary), ``auto`` (what the batch
+    carries, hidden first)."""
+    oov_rule: str = "teacher"
+    """Which rows are dropped as out of the draft vocabulary: ``teacher`` (the target's argmax over the full
+    vocabulary is not a draft token; exact, costs one full-vocabulary head pass per supervised token for
+    ``hidden`` teachers) or ``label`` (the data's next token is not a draft token; draft rows only)."""
+    precision: str = "auto"
+    """``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (autocast; on CPU too)."""
+    bf16_lm_head: bool = False
+    """Run only the drafter's lm_head in bf16 (autocast) when ``precision=fp32``: the dominant matmul of a
+    32k-token draft vocabulary, ~4x faster in bf16 on CPUs with bf16 units (see eval/bench_train.py)."""
+    seed: int = 0
+    eval_every: int = 200
+    """Steps between simulated-acceptance evaluations on the held-out split (0: only at the end)."""
+    eval_batches: int | None = None
+    """Held-out micro-batches per evaluation (None: all)."""
+    save_every: int = 200
+    """Steps between checkpoints (0: only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept (older ones deleted; ``best/`` is separate)."""
+    best_metric: str = "tau_chain"
+    """Metric that picks ``best/``: ``tau_chain`` (conditional chain acceptance), ``tau_indep``, ``loss``."""
+    resume: str = "auto"
+    """``auto`` (latest checkpoint in output_dir, else start fresh), ``never`` (refuse if checkpoints exist),
+    or a checkpoint directory."""
+    log_every: int = 10
+    """Steps between metric lines (metrics.jsonl, wandb, log)."""
+    threads: int | None = None
+    """torch intra-op threads per process (None: leave as is)."""
+    progress: bool = True
+    """tqdm progress bar on the main process."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    data: DataSourceConfig = field(default_factory=DataSourceConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.wandb, dict):
+            self.wandb = from_dict(WandbConfig, self.wandb)
+        if isinstance(self.data, dict):
+            self.data = from_dict(DataSourceConfig, self.data)
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1, not {self.max_steps}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"train.epochs must be positive or null, not {self.epochs}")
+        if self.grad_accum < 1:
+            raise ValueError(f"train.grad_accum must be >= 1, not {self.grad_accum}")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be positive, not {self.lr}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"train.warmup_ratio must be in [0, 1), not {self.warmup_ratio}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"train.warmup_steps must be >= 0, not {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"train.max_grad_norm must be >= 0, not {self.max_grad_norm}")
+        if self.ttt_steps < 1:
+            raise ValueError(f"train.ttt_steps must be >= 1, not {self.ttt_steps}")
+        if not 0.0 < self.step_decay <= 1.0:
+            raise ValueError(f"train.step_decay must be in (0, 1], not {self.step_decay}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"train.teacher must be one of {TEACHERS}, not {self.teacher!r}")
+        if self.oov_rule not in OOV_RULES:
+            raise ValueError(f"train.oov_rule must be one of {OOV_RULES}, not {self.oov_rule!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {PRECISIONS}, not {self.precision!r}")
+        if self.best_metric not in BEST_METRICS:
+            raise ValueError(f"train.best_metric must be one of {BEST_METRICS}, not {self.best_metric!r}")
+        for name in ("eval_every", "save_every", "log_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0")
+        if self.keep_last < 1:
+            raise ValueError(f"train.keep_last must be >= 1, not {self.keep_last}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"train.threads must be >= 1 or null, not {self.threads}")
+
+    @property
+    def step_weights(self) -> list[float]:
+        return [self.step_decay**j for j in range(self.ttt_steps)]
+
+    def warmup_for(self, total_steps: int) -> int:
+        if self.warmup_steps is not None:
+            return min(self.warmup_steps, total_steps)
+        return int(round(self.warmup_ratio * total_steps))
+
+    def identity(self) -> dict[str, Any]:
+        """The fields a resumed run must share with its checkpoint (see the module docstring)."""
+        d = asdict(self)
+        for k in (
+            "output_dir",
+            "eval_every",
+            "eval_batches",
+            "save_every",
+            "keep_last",
+            "resume",
+            "log_every",
+            "threads",
+            "progress",
+            "wandb",
+            "best_metric",
+        ):
+            d.pop(k)
+        d["betas"] = list(self.betas)
+        return d
+
+
+def config_hash(identity: dict[str, Any]) -> str:
+    """A short, stable hash of a JSON-able identity dict."""
+    blob = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def diff_identity(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Human-readable differences between two identity dicts (``key: old -> new``)."""
+    out: list[str] = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, "<absent>"), new.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff_identity(a, b, f"{prefix}{k}.")
+        elif json.dumps(a, default=str) != json.dumps(b, default=str):
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def from_dict(cls, d: dict[str, Any] | None):
+    """Build a (possibly nested) config dataclass from a plain dict, naming unknown keys."""
+    d = dict(d or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(names)}")
+    return cls(**d)

@@ -1,0 +1,384 @@
+"""Distillation loss of the EAGLE-3 drafter under training-time test (TTT).
+
+Conventions (``data.types.Batch``; ``serving.drafter``): the target distribution stored at position ``p`` is
+the distribution of token ``p + 1``. TTT step ``j``, row ``t`` predicts ``x_{t+j+2}``, so its teacher is the
+target's distribution at ``p = t + j + 1``, restricted to the draft vocabulary and renormalised, and the row
+is weighted by ``loss_mask[t + j + 2]`` and by the drafter's ``valid[j][t]``.
+
+Design decisions:
+- The teacher is computed once per *position*, not per step: each position is the teacher of up to K rows
+  (one per step). It is computed only where some row carries loss (``loss_mask[p + 1]``, same sample).
+- ``hidden`` teachers go through the frozen target head restricted to the draft rows (a
+  ``TargetHead(weight[draft_ids])`` built once). The out-of-vocabulary rule ``teacher`` needs the argmax over
+  the *full* vocabulary: one full-head pass per supervised position, in row chunks, from which the draft
+  columns are then gathered (no second pass). Rule ``label`` (drop rows whose data token is not a draft token)
+  needs only the draft rows. ``topk`` teachers scatter the top-k probabilities that fall inside the draft
+  vocabulary and renormalise them (the tail mass cannot be placed on individual tokens and is ignored).
+- Rows whose teacher argmax is outside the draft vocabulary are dropped from the loss: the drafter cannot
+  propose that token, so any target it is given would be wrong. The acceptance metrics count them as misses.
+- The drafter's ``lm_head`` runs only on rows that carry loss (typically 40-70 % of a chat sequence), taken in
+  *teacher order*: at step j the teacher row of position p is matched with drafter row p - j - 1, so the
+  [N, V_draft] teacher table is built once per batch (out-of-vocabulary rows removed) and never gathered per
+  step; rows that fall outside their sample at step j get weight 0. Soft cross-entropy is one fused autograd
+  function (max/argmax, exp, one dot product) that keeps only ``softmax - p`` for the backward.
+- Loss = sum_j decay^j * sum_rows CE_j / ``normalizer``. The normalizer is the number of supervised tokens of
+  the *whole* optimizer step (all micro-batches, all processes), so data-parallel and accumulated runs give
+  the gradient of one big batch, whatever the token counts per process.
+- Simulated acceptance (see :class:`ChainCounts`): per-step teacher-forced accuracy gives
+  ``tau_indep = 1 + sum_{k=1..K} prod_{j<k} acc_j``, which assumes acceptance at different depths is
+  independent. ``tau_chain`` instead measures on each row the conditional acceptance at depth j given that
+  depths 0..j-1 were accepted *and* the data continued with the target's argmax (then the TTT inputs are exactly
+  what speculative greedy decoding would have fed the drafter), so ``prod_j`` is a chain rule, not an
+  independence assumption. Both count out-of-vocabulary teacher tokens as rejections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from data.types import Batch
+from serving.drafter import Eagle3Drafter, TTTOutput
+from serving.target import TargetHead
+
+_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the full-vocabulary teacher head (256 MiB)
+
+
+# -- the draft vocabulary on the device -------------------------------------------------------------------------
+@dataclass
+class VocabMaps:
+    """Both directions of the draft vocabulary, as device tensors."""
+
+    draft_to_target: torch.Tensor  # [Vd] long
+    target_to_draft: torch.Tensor  # [V] long, -1 outside the draft vocabulary
+
+    @classmethod
+    def from_draft_ids(cls, draft_to_target: torch.Tensor, vocab_size: int) -> VocabMaps:
+        d2t = draft_to_target.long()
+        t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=d2t.device)
+        t2d[d2t] = torch.arange(d2t.numel(), device=d2t.device)
+        return cls(d2t, t2d)
+
+    def to(self, device: torch.device | str) -> VocabMaps:
+        return VocabMaps(self.draft_to_target.to(device), self.target_to_draft.to(device))
+
+    @property
+    def draft_size(self) -> int:
+        return int(self.draft_to_target.numel())
+
+
+def draft_head(head: TargetHead, maps: VocabMaps) -> TargetHead:
+    """The frozen target head restricted to the draft rows, built once (no per-batch index_select)."""
+    rows = maps.draft_to_target.to(head.weight.device)
+    bias = None if head.bias is None else head.bias.detach().index_select(0, rows)
+    return TargetHead(
+        head.weight.detach().index_select(0, rows), bias, softcap=head.softcap, scale=head.scale
+    )
+
+
+# -- the teacher ------------------------------------------------------------------------------------------------
+@dataclass
+class Teacher:
+    """The target's distribution at every supervised position of a batch, in the draft vocabulary."""
+
+    probs: torch.Tensor  # [N, Vd] fp32, rows sum to 1 (rows with in_vocab False may be all zero)
+    draft_argmax: torch.Tensor  # [N] long, argmax of probs
+    target_argmax: torch.Tensor  # [N] long, target id of the teacher's top token (full vocabulary when known)
+    in_vocab: torch.Tensor  # [N] bool, False: the row is dropped from the loss (see oov_rule)
+    index: torch.Tensor  # [B, T] long, teacher row of position p, -1 where p supervises nothing
+    row_b: torch.Tensor  # [N] long, batch row of each teacher row
+    row_p: torch.Tensor  # [N] long, position of each teacher row
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.probs.shape[0])
+
+
+def supervised_positions(batch: Batch) -> torch.Tensor:
+    """[B, T] bool: positions p whose distribution is a training target (token p + 1 is a loss token of the
+    same sample)."""
+    seg = batch.segment_ids
+    nxt = torch.zeros_like(batch.loss_mask)
+    nxt[:, :-1] = batch.loss_mask[:, 1:] & (seg[:, 1:] == seg[:, :-1])
+    return nxt & (seg > 0)
+
+
+def teacher_form(batch: Batch, wanted: str) -> str:
+    """Which stored distribution to use: ``wanted`` (hidden | topk) or the batch's own for ``auto``."""
+    if wanted == "auto":
+        return "hidden" if batch.target_hidden is not None else "topk"
+    have = batch.target_hidden if wanted == "hidden" else batch.topk_logprobs
+    if have is None:
+        other = "topk" if wanted == "hidden" else "hidden"
+        raise ValueError(
+            f"train.teacher={wanted} but the batches carry only the {other} form of the target distribution; "
+            f"set train.teacher={other} or auto, or extract a store with distribution={wanted}"
+        )
+    return wanted
+
+
+@torch.no_grad()
+def build_teacher(
+    batch: Batch,
+    maps: VocabMaps,
+    *,
+    form: str = "auto",
+    oov_rule: str = "teacher",
+    head: TargetHead | None = None,
+    draft_rows_head: TargetHead | None = None,
+    keep_oov: bool = True,
+) -> Teacher:
+    """The teacher table of ``batch`` (see the module docstring).
+
+    head: the full target head (``hidden`` form with ``oov_rule=teacher``); draft_rows_head: the head restricted
+    to the draft rows (:func:`draft_head`; ``hidden`` form with ``oov_rule=label``). keep_oov: keep the rows whose
+    teacher token is outside the draft vocabulary (the acceptance metrics count them; training does not need them).
+    """
+    form = teacher_form(batch, form)
+    pos = supervised_positions(batch)
+    row_b, row_p = pos.nonzero(as_tuple=True)  # [N] each, row-major
+    # the data token that follows each supervised position (for the label rule and the chain metric)
+    label = batch.input_ids[row_b, row_p + 1]  # [N]
+    vd = maps.draft_size
+    if form == "hidden":
+        hidden = batch.target_hidden[row_b, row_p]  # [N, H]
+        if oov_rule == "teacher":
+            if head is None:
+                raise ValueError("the hidden-state teacher with oov_rule=teacher needs the full target head")
+            target_argmax = torch.empty(row_b.numel(), dtype=torch.long, device=hidden.device)
+            chunk = max(1, _CHUNK_ELEMENTS // int(head.weight.shape[0]))
+            parts = []
+            for s in range(0, row_b.numel(), chunk):
+                logits = head(hidden[s : s + chunk])  # [c, V] fp32
+                target_argmax[s : s + chunk] = logits.argmax(-1)
+                parts.append(logits.index_select(1, maps.draft_to_target))  # [c, Vd]
+            draft_logits = torch.cat(parts) if parts else hidden.new_zeros(0, vd, dtype=torch.float32)
+            in_vocab = maps.target_to_draft[target_argmax] >= 0
+        else:
+            if draft_rows_head is None:
+                raise ValueError(
+                    "the hidden-state teacher needs the draft-rows target head (losses.draft_head)"
+                )
+            draft_logits = draft_rows_head(hidden)  # [N, Vd]
+            target_argmax = maps.draft_to_target[draft_logits.argmax(-1)]
+            in_vocab = maps.target_to_draft[label] >= 0
+        if not keep_oov:
+            keep = in_vocab.nonzero(as_tuple=True)[0]
+            row_b, row_p, label, target_argmax, draft_logits = (
+                x[keep] for x in (row_b, row_p, label, target_argmax, draft_logits)
+            )
+            in_vocab = in_vocab[keep]
+        probs = torch.softmax(draft_logits, dim=-1)
+    else:
+        lp = batch.topk_logprobs[row_b, row_p].float()  # [N, k] log-probs over the full vocabulary
+        ids = batch.topk_ids[row_b, row_p].long()  # [N, k]
+        target_argmax = ids.gather(1, lp.argmax(-1, keepdim=True))[:, 0]
+        draft_ids = maps.target_to_draft[ids]  # [N, k], -1 outside
+        p = lp.exp() * (draft_ids >= 0)
+        mass = p.sum(-1)
+        rule = maps.target_to_draft[target_argmax if oov_rule == "teacher" else label] >= 0
+        in_vocab = rule & (mass > 0)
+        if not keep_oov:
+            keep = in_vocab.nonzero(as_tuple=True)[0]
+            row_b, row_p, label, target_argmax, draft_ids, p, mass, in_vocab = (
+                x[keep] for x in (row_b, row_p, label, target_argmax, draft_ids, p, mass, in_vocab)
+            )
+        probs = torch.zeros(row_b.numel(), vd, dtype=torch.float32, device=lp.device)
+        probs.scatter_add_(1, draft_ids.clamp(min=0), p / mass.clamp(min=1e-30)[:, None])
+    index = torch.full(pos.shape, -1, dtype=torch.long, device=pos.device)
+    index[row_b, row_p] = torch.arange(row_b.numel(), device=pos.device)
+    return Teacher(
+        probs=probs,
+        draft_argmax=probs.argmax(-1),
+        target_argmax=target_argmax,
+        in_vocab=in_vocab,
+        index=index,
+        row_b=row_b,
+        row_p=row_p,
+    )
+
+
+# -- soft cross-entropy -----------------------------------------------------------------------------------------
+class _SoftCrossEntropy(torch.autograd.Function):
+    """CE(p, softmax(z)) and argmax(z) per row, keeping only ``softmax(z) - p`` for the backward (one [M, V]
+    buffer; the backward scales it in place, so the graph cannot be run backward twice)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m, top = logits.max(-1)  # [M], [M]
+        e = (logits - m[:, None]).exp_()  # [M, V]
+        s = e.sum(-1)
+        ce = m + s.log() - torch.linalg.vecdot(probs, logits)  # sum(p) = 1
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(e.div_(s[:, None]).sub_(probs))
+        ctx.mark_non_differentiable(top)
+        return ce, top
+
+    @staticmethod
+    def backward(ctx, grad_ce: torch.Tensor, _grad_top: torch.Tensor | None):
+        (g,) = ctx.saved_tensors
+        return g.mul_(grad_ce[:, None]), None
+
+
+def soft_cross_entropy_argmax(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row ``-sum_i p_i log softmax(z)_i`` and ``argmax_i z_i`` for logits [M, V] and probabilities [M, V]."""
+    if logits.shape != probs.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and teacher probabilities {tuple(probs.shape)} differ"
+        )
+    return _SoftCrossEntropy.apply(logits.float(), probs.float())
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Per-row ``-sum_i p_i log softmax(z)_i`` for logits [M, V] and target probabilities [M, V]."""
+    return soft_cross_entropy_argmax(logits, probs)[0]
+
+
+# -- the TTT loss -----------------------------------------------------------------------------------------------
+@dataclass
+class ChainCounts:
+    """Acceptance statistics of one batch, summed over rows; add them up across batches and processes.
+
+    Per step j: ``counted`` rows (supervised, in-vocabulary or not), ``correct`` (draft argmax == teacher argmax;
+    an out-of-vocabulary teacher token is never correct), ``reach`` (rows whose steps 0..j-1 were all correct
+    with the data continuing along the teacher's argmax, and step j is counted) and ``hits`` (reach and correct).
+    """
+
+    counted: torch.Tensor  # [K]
+    correct: torch.Tensor  # [K]
+    reach: torch.Tensor  # [K]
+    hits: torch.Tensor  # [K]
+
+
+@dataclass
+class LossOutput:
+    """One micro-batch's loss and statistics (sums, so they add across micro-batches and processes)."""
+
+    loss: torch.Tensor  # scalar: sum_j w_j CE_sum_j / normalizer (what backward runs on)
+    ce_sum: torch.Tensor  # [K] detached, over in-vocabulary loss rows
+    count: torch.Tensor  # [K] loss rows per step
+    correct: torch.Tensor  # [K] loss rows whose draft argmax == teacher draft argmax
+    chain: ChainCounts | None = None
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    out: TTTOutput,
+    teacher: Teacher,
+    input_ids: torch.Tensor,
+    step_weights: list[float],
+    normalizer: torch.Tensor | float,
+    with_chain: bool = False,
+) -> LossOutput:
+    """The weighted soft cross-entropy of a TTT unroll (see the module docstring); ``with_chain`` also scores the
+    out-of-vocabulary rows and returns the acceptance counts (evaluation)."""
+    k = len(out.hidden)
+    if len(step_weights) != k:
+        raise ValueError(f"{len(step_weights)} step weights for {k} TTT steps")
+    if with_chain:
+        return _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer)
+    dev = input_ids.device
+    # Rows are taken in teacher order: at step j, teacher row n (position p_n) is predicted by drafter row
+    # t_n = p_n - j - 1, so the teacher table is never gathered per step (it is the big [N, V_draft] tensor).
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    ce_sum, count, correct = [], [], []
+    for j in range(k):
+        t_n = teacher.row_p - (j + 1)  # [N]
+        t_c = t_n.clamp(min=0)
+        w = (t_n >= 0) & out.valid[j][teacher.row_b, t_c] & teacher.in_vocab  # [N]
+        z = drafter.logits(out.hidden[j][teacher.row_b, t_c])  # [N, Vd] fp32 (rows with w = 0 cost little)
+        ce, top = soft_cross_entropy_argmax(z, teacher.probs)
+        s = (ce * w).sum()
+        total = total + step_weights[j] * s
+        ce_sum.append(s.detach())
+        count.append(w.sum())
+        correct.append(((top == teacher.draft_argmax) & w).sum())
+    return LossOutput(
+        loss=total / normalizer,
+        ce_sum=torch.stack(ce_sum).float(),
+        count=torch.stack(count).float(),
+        correct=torch.stack(correct).float(),
+    )
+
+
+def _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer) -> LossOutput:
+    """Evaluation: every supervised row is scored (out-of-vocabulary teacher tokens as misses), per row."""
+    b, t = input_ids.shape
+    k = len(out.hidden)
+    dev = input_ids.device
+    # teacher row of position t + j + 1, for every j at once: index padded on the right
+    index = torch.cat([teacher.index, teacher.index.new_full((b, k + 1), -1)], dim=1)  # [B, T + K + 1]
+    ids_ext = torch.cat([input_ids, input_ids.new_zeros(b, k + 2)], dim=1)  # [B, T + K + 2]
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    ce_sum, count, correct = [], [], []
+    counted_rows, correct_rows, faithful_rows = [], [], []
+    for j in range(k):
+        tix = index[:, j + 1 : j + 1 + t]  # [B, T]
+        rows = out.valid[j] & (tix >= 0)
+        h = out.hidden[j][rows]  # [M, H]
+        z = drafter.logits(h)  # [M, Vd] fp32
+        trow = tix[rows]  # [M]
+        ok = teacher.in_vocab[trow]
+        ce, top = soft_cross_entropy_argmax(z, teacher.probs[trow])
+        hit = (top == teacher.draft_argmax[trow]) & ok
+        s = (ce * ok).sum()
+        total = total + step_weights[j] * s
+        ce_sum.append(s.detach())
+        count.append(ok.sum())
+        correct.append(hit.sum())
+        hit_rows = torch.zeros(b, t, dtype=torch.bool, device=dev)
+        hit_rows[rows] = hit
+        follows = torch.zeros(b, t, dtype=torch.bool, device=dev)
+        follows[rows] = ids_ext[:, j + 2 : j + 2 + t][rows] == teacher.target_argmax[trow]
+        counted_rows.append(rows)
+        correct_rows.append(hit_rows)
+        faithful_rows.append(follows)
+    alive = torch.ones(b, t, dtype=torch.bool, device=dev)
+    reach, hits, counted, correct_all = [], [], [], []
+    for j in range(k):
+        r = alive & counted_rows[j]
+        reach.append(r.sum())
+        hits.append((r & correct_rows[j]).sum())
+        counted.append(counted_rows[j].sum())
+        correct_all.append(correct_rows[j].sum())
+        alive = r & correct_rows[j] & faithful_rows[j]
+    return LossOutput(
+        loss=total / normalizer,
+        ce_sum=torch.stack(ce_sum).float(),
+        count=torch.stack(count).float(),
+        correct=torch.stack(correct).float(),
+        chain=ChainCounts(*(torch.stack(x).float() for x in (counted, correct_all, reach, hits))),
+    )
+
+
+class DistillationModel(nn.Module):
+    """The drafter plus its loss, as one module: what accelerate / DeepSpeed wrap (ZeRO-3 gathers parameters
+    in module hooks, so every parameter use happens inside this forward).
+
+    ``bf16_head`` runs only the drafter's ``lm_head`` under bf16 autocast (the TTT layer stays in the ambient
+    precision): on CPUs with bf16 units that matmul dominates the step and runs ~4x faster in bf16.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, step_weights: list[float], bf16_head: bool = False):
+        super().__init__()
+        self.drafter = drafter
+        self.step_weights = list(step_weights)
+        self.bf16_head = bf16_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        teacher: Teacher,
+        normalizer: torch.Tensor | float,
+        with_chain: bool = False,
+    ) -> LossOutput:
+        out = self.drafter.forward_ttt(
+            input_ids, aux, steps=len(self.step_weights), position_ids=position_ids, segment_ids=segment_ids
+        )
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.bf16_head):
+            return ttt_loss(self.drafter, out, teacher, input_ids, self.step_weights, normalizer, with_chain)

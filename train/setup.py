@@ -1,0 +1,235 @@
+"""Setup for a training run: the drafter for a target, its draft vocabulary, and the data sources.
+
+``python -m train`` and the pipeline go setup -> :func:`train.loop.fit`; tests call these pieces directly.
+
+Design decisions:
+- The drafter's sizes, rope and positions come from the target (``DrafterConfig.from_target``); its embedding
+  is the target's (frozen); ``drafter.intermediate_size`` is the only size the user picks.
+- The draft vocabulary is counted over the *training* split's loss-masked tokens (never the held-out one) and
+  saved as ``<output_dir>/draft_vocab.json``; a resumed run reuses that file so the vocabulary cannot drift.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.drafter import DrafterConfig, Eagle3Drafter
+from train.config import DraftModelConfig, TrainConfig
+from train.sources import BatchSource, ListSource
+from train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
+
+log = logging.getLogger(__name__)
+
+
+def build_drafter(target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 0) -> Eagle3Drafter:
+    """A freshly initialised drafter for ``target`` with the draft vocabulary ``vocab`` (fp32, on the CPU)."""
+    if vocab.target_vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft vocabulary built for a target vocabulary of {vocab.target_vocab_size}, the target has "
+            f"{target.vocab_size}"
+        )
+    overrides: dict[str, Any] = {}
+    if cfg.intermediate_size is not None:
+        overrides["intermediate_size"] = cfg.intermediate_size
+    dcfg = DrafterConfig.from_target(target.model.config, list(target.aux_layers), vocab.size, **overrides)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(dcfg)
+    drafter.set_embedding(target.model.get_input_embeddings().weight.detach().float().cpu())
+    drafter.set_vocab_map(vocab.draft_to_target)
+    if cfg.init_lm_head == "target":
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(target.head.weight.detach().float().cpu()[vocab.draft_to_target])
+    return drafter
+
+
+def draft_vocab_for(data: Any, cfg: DraftModelConfig, vocab_size: int, output_dir: str | Path) -> DraftVocab:
+    """Load ``cfg.vocab_file`` or ``<output_dir>/draft_vocab.json``, else count ``data`` and save the result."""
+    path = Path(cfg.vocab_file) if cfg.vocab_file else Path(output_dir) / "draft_vocab.json"
+    if path.exists():
+        vocab = DraftVocab.load(path, target_vocab_size=vocab_size)
+        if vocab.size != cfg.draft_vocab_size:
+            raise ValueError(
+                f"{path} holds a draft vocabulary of {vocab.size} tokens, drafter.draft_vocab_size is "
+                f"{cfg.draft_vocab_size}; delete the file or use another train.output_dir"
+            )
+        log.info("draft vocabulary: %s (%d tokens, coverage %.4f)", path, vocab.size, vocab.coverage)
+        return vocab
+    counts = data if isinstance(data, torch.Tensor) else count_loss_tokens(data, vocab_size)
+    vocab = build_draft_vocab(counts, cfg.draft_vocab_size)
+    vocab.save(path)
+    log.info(
+        "draft vocabulary built: %d tokens cover %.4f of %d loss tokens -> %s",
+        vocab.size,
+        vocab.coverage,
+        vocab.loss_tokens,
+        path,
+    )
+    return vocab
+
+
+@dataclass
+class RunData:
+    """This process's training source and held-out batches, plus what identifies them."""
+
+    train: BatchSource
+    eval: list[Any]
+    vocab_counts: Any
+    """What :func:`draft_vocab_for` counts (an iterable of items with input_ids/loss_mask, or [V] counts)."""
+    identity: dict[str, Any]
+
+
+def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
+    """This process's data for ``cfg.data.source``."""
+    src = cfg.data.source
+    if src == "synthetic":
+        return synthetic_run_data(target, cfg, rank, world)
+    from data.loader import FeatureLoader, LoaderConfig
+
+    ef = cfg.data.eval_fraction
+    lc = dict(cfg.data.loader)
+    if src == "store":
+        from data.store import FeatureStore
+
+        if not cfg.data.store_dir:
+            raise ValueError(
+                "train.data.source=store needs train.data.store_dir (a store from `python -m data.extract`)"
+            )
+        store = FeatureStore(cfg.data.store_dir, expect_target=target.info)
+
+        def make(split: str, **over: Any) -> FeatureLoader:
+            return FeatureLoader(
+                store,
+                LoaderConfig(**{**lc, **over}, split=split, eval_fraction=ef),
+                rank=rank,
+                world_size=world,
+            )
+
+        identity = {
+            "source": "store",
+            "store": store.manifest.identity(),
+            "shards": [sh.sha256 for sh in store.manifest.shards],
+        }
+    else:
+        from data.extract import inputs_fingerprint, read_samples_jsonl
+        from data.online import online_loader
+        from data.store import StoreOptions
+
+        if not cfg.data.samples:
+            raise ValueError(
+                "train.data.source=online needs train.data.samples (the formatted samples JSONL)"
+            )
+        samples = list(read_samples_jsonl(cfg.data.samples))
+        opts = StoreOptions(**cfg.data.online)
+
+        def make(split: str, **over: Any) -> FeatureLoader:
+            return online_loader(
+                samples,
+                target,
+                LoaderConfig(**{**lc, **over}, split=split, eval_fraction=ef),
+                opts,
+                rank=rank,
+                world_size=world,
+            )
+
+        identity = {"source": "online", "samples": inputs_fingerprint(samples), "online": opts.to_dict()}
+    try:
+        train = make("train")
+    except ValueError as e:
+        raise ValueError(f"the training split is empty: {e}") from e
+    evals: list[Any] = []
+    if ef > 0:
+        try:
+            evals = list(make("eval", shuffle=False))
+        except ValueError as e:
+            log.warning("no held-out batches (%s): simulated acceptance will not be measured", e)
+    source = train.source
+    counts = count_loss_tokens(_token_rows(source, train.candidates), target.vocab_size)
+    identity.update(loader=lc, eval_fraction=ef)
+    return RunData(train=train, eval=evals, vocab_counts=counts, identity={"data": identity})
+
+
+def _token_rows(source: Any, indices: Any):
+    """(input_ids, loss_mask) of each selected sample, without computing features (online: from the samples)."""
+    if hasattr(source, "samples"):
+        for i in indices:
+            s = source.samples[int(i)]
+            yield (s.input_ids, s.loss_mask)
+    else:
+        for i in indices:
+            r = source.rows(int(i))
+            yield (r.input_ids, r.loss_mask)
+
+
+def synthetic_run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
+    from train.synthetic import synthetic_data
+
+    s = cfg.data.synthetic
+    d = synthetic_data(target, s, rank=rank, world=world)
+    return RunData(
+        train=ListSource(d.train, shuffle=s.shuffle, seed=cfg.seed),
+        eval=d.eval,
+        vocab_counts=d.vocab_counts,
+        identity={"data": {"source": "synthetic", **asdict(s)}},
+    )
+
+
+@contextmanager
+def _without_zero3_init(accelerator):
+    """Load the (frozen, replicated) target as a plain model even under ZeRO-3: accelerate registers its DeepSpeed
+    config with transformers, which would otherwise partition every model built meanwhile."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def run(target_cfg, drafter_cfg: DraftModelConfig, cfg: TrainConfig):
+    """Load the target, build the data, the draft vocabulary and the drafter, and train (every process)."""
+    from dataclasses import replace
+
+    from serving.target import load_target
+    from train.loop import fit, make_accelerator
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    acc = make_accelerator(cfg)
+    if target_cfg.device == "auto":
+        target_cfg = replace(target_cfg, device=str(acc.device))
+    with _without_zero3_init(acc):
+        target = load_target(target_cfg)
+    data = run_data(target, cfg, acc.process_index, acc.num_processes)
+    vocab_path = (
+        Path(drafter_cfg.vocab_file) if drafter_cfg.vocab_file else Path(cfg.output_dir) / "draft_vocab.json"
+    )
+    if acc.is_main_process:
+        vocab = draft_vocab_for(data.vocab_counts, drafter_cfg, target.vocab_size, cfg.output_dir)
+    acc.wait_for_everyone()
+    if not acc.is_main_process:
+        vocab = DraftVocab.load(vocab_path, target_vocab_size=target.vocab_size)
+    drafter = build_drafter(target, drafter_cfg, vocab, seed=cfg.seed)
+    head, info = target.head, target.info
+    if cfg.data.source != "online":
+        del target  # only the head is needed from here on (the embedding was copied into the drafter)
+    return fit(
+        cfg,
+        drafter,
+        data.train,
+        data.eval,
+        head=head,
+        target_info=info,
+        accelerator=acc,
+        extra_identity=data.identity,
+    )
