@@ -89,6 +89,11 @@ class PrepareResult:
     reused: bool = False
     """True when a finished directory with the same config hash was found and nothing was recomputed."""
 
+    @property
+    def complete(self) -> bool:
+        """False while a regeneration time budget has left conversations with their original answers."""
+        return not any(s.regen is not None and s.regen.remaining for s in self.splits.values())
+
     def samples_path(self, split: str = "train") -> Path:
         return self.out_dir / split / "samples.jsonl"
 
@@ -150,9 +155,10 @@ def config_hash(cfg: PrepareConfig, tokenizer_fingerprint: str, target_name: str
     key = {
         "corpus": asdict(cfg.corpus),
         "max_len": cfg.max_len,
-        "regenerate": asdict(cfg.regen)
+        # threads/progress and the time budget do not change what a finished output holds
+        "regenerate": {k: v for k, v in asdict(cfg.regen).items() if k != "time_budget_s"}
         if cfg.regenerate
-        else None,  # threads/progress do not change the output
+        else None,
         "tokenizer": tokenizer_fingerprint,
         "target": target_name if cfg.regenerate else None,
     }
@@ -177,8 +183,11 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
     )
     summary_path = out / "summary.json"
     if summary_path.exists():
-        log.info("prepare: reusing the finished output in %s", out)
-        return _result_from_summary(out, json.loads(summary_path.read_text()))
+        summary = json.loads(summary_path.read_text())
+        if summary.get("complete", True) or not cfg.regenerate:
+            log.info("prepare: reusing the finished output in %s", out)
+            return _result_from_summary(out, summary)
+        log.info("prepare: %s holds a partly regenerated corpus; continuing the regeneration", out)
     out.mkdir(parents=True, exist_ok=True)
 
     corpus: CorpusSplits = load_corpus(cfg.corpus)
@@ -192,19 +201,23 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
         conv_path = d / "conversations.jsonl"
         regen_path = d / "regenerate.json"
         regen_res = None
-        if conv_path.exists():  # an earlier run of this config finished this step
+        partial = d / "conversations.partial.jsonl"
+        if conv_path.exists() and not partial.exists():  # an earlier run of this config finished this step
             convs = read_conversations(conv_path)
             if regen_path.exists():
                 regen_res = _regen_result(json.loads(regen_path.read_text()))
         elif cfg.regenerate and convs:
-            # appended per batch under a working name: a restart resumes it; renamed once complete
-            partial = d / "conversations.partial.jsonl"
+            # appended per batch under a working name: a restart resumes it; removed once complete
             regen_res = regenerate(convs, target, cfg.regen, partial, progress=cfg.progress)
             by_id = {c.id: c for c in read_regenerated(partial)}
-            convs = [by_id[c.id] for c in convs if c.id in by_id]  # corpus order, not generation order
+            if regen_res.remaining:  # time budget: the rest keep their original answers for now
+                convs = [by_id.get(c.id, c) for c in convs]
+            else:
+                convs = [by_id[c.id] for c in convs if c.id in by_id]  # corpus order, not generation order
             _write_json_atomic(regen_path, regen_res.to_dict())
             _write_jsonl_atomic(conv_path, (c.to_record() for c in convs))
-            partial.unlink()
+            if not regen_res.remaining:
+                partial.unlink()
         else:
             _write_jsonl_atomic(conv_path, (c.to_record() for c in convs))
         fmt = format_conversations(convs, tok, cfg.max_len, progress=cfg.progress)
@@ -221,7 +234,7 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
             samples_path=str(samples_path),
         )
     result = PrepareResult(out_dir=out, splits=splits, corpus_stats=corpus_stats)
-    _write_json_atomic(summary_path, result.to_dict())
+    _write_json_atomic(summary_path, {**result.to_dict(), "complete": result.complete})
     return result
 
 
@@ -275,6 +288,7 @@ def format_summary(res: PrepareResult) -> str:
             lines.append(
                 f"    regenerated {r.written} conversations ({r.already_done} already done), {r.turns} "
                 f"turns, {r.generated_tokens:,} tokens at {r.tokens_per_s:.1f} tok/s; finish {r.finish}"
+                + (f"; {r.remaining} keep their original answers (time budget)" if r.remaining else "")
             )
     return "\n".join(lines)
 

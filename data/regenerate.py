@@ -65,6 +65,9 @@ class RegenerateConfig:
     ``generate`` (every row runs until the whole batch is done; for architectures the loop does not handle)."""
     cache: str = "dynamic"
     """KV cache of the ``hf`` engine: ``dynamic`` or ``static``."""
+    time_budget_s: float | None = None
+    """Stop starting new batches after this many seconds of generation in one run (None: no limit). What is
+    left keeps its original answers; a later run with the same output continues where this one stopped."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -79,6 +82,8 @@ class RegenerateConfig:
             raise ValueError(f"max_turns must be >= 1 or null, not {self.max_turns}")
         if self.engine not in ("loop", "hf"):
             raise ValueError(f"engine must be 'loop' or 'hf', not {self.engine!r}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be > 0 or null, not {self.time_budget_s}")
         if self.cache not in ("dynamic", "static"):
             raise ValueError(f"cache must be 'dynamic' or 'static', not {self.cache!r}")
 
@@ -103,6 +108,8 @@ class RegenerateResult:
     """Wall time spent in generation."""
     finish: dict[str, int] = field(default_factory=dict)
     """Turns per finish reason (``context``: conversations cut short for lack of room)."""
+    remaining: int = 0
+    """Conversations left unanswered because ``time_budget_s`` ran out (0: the output is complete)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -360,6 +367,15 @@ def regenerate(
             batch = [it for it in batch if it.conv.id not in done]
             if not batch:
                 continue
+            if cfg.time_budget_s is not None and res.seconds >= cfg.time_budget_s:
+                res.remaining = todo - res.written
+                log.info(
+                    "regenerate: time budget of %.0f s used; %d conversations keep their original answers "
+                    "(a later run continues)",
+                    cfg.time_budget_s,
+                    res.remaining,
+                )
+                break
             t0 = time.perf_counter()
             records = _regenerate_batch(
                 batch, target, cfg, _batch_seed(cfg.seed, b), stop_ids, max_len, finish

@@ -15,6 +15,7 @@ Tokens/s counts real tokens only (no padding).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
 import shlex
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated subset of {list(OPTIONS)}")
     p.add_argument("--no-writer-thread", action="store_true", help="serialize shards on the compute thread")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
@@ -160,15 +163,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     base_lm, base = best["bare CausalLM"], best["bare base"]
     print(f"{'path':<22}{'tok/s':>10}{'vs CausalLM':>13}{'vs base':>10}{'bytes/tok':>11}{'vs 4H bf16':>12}")
+    rows = []
     for k, sec in best.items():
         tps = tokens / sec
         size = ""
+        row = {"path": k, "tokens_per_s": tps, "vs_causal_lm": base_lm / sec, "vs_base": base / sec}
         if k.startswith("extract "):
             b = bytes_per_token(
                 info.hidden_size, len(info.aux_layers), OPTIONS[k.split(" ", 1)[1]], info.vocab_size
             )
             size = f"{b.total:>11}{b.ratio_to_anchor:>12.3f}"
+            row.update(bytes_per_token=b.total, ratio_to_anchor=b.ratio_to_anchor)
+        rows.append(row)
         print(f"{k:<22}{tps:>10.0f}{base_lm / sec:>13.3f}{base / sec:>10.3f}{size}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": cmd, "tokens": tokens, "results": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -278,3 +278,24 @@ def test_hydra_config_composes_into_a_prepare_config(tmp_path):
     p = prepare_config_from_hydra(cfg)
     assert p.regenerate and p.regen.max_new_tokens == 7 and p.work_dir == str(tmp_path)
     assert p.corpus.name == "reasoning_gym" and p.corpus.sources[0].size == 5
+
+
+def test_time_budget_keeps_originals_and_a_later_run_continues(chat_target, tmp_path):
+    """A run out of time leaves the rest with their original answers; the next run finishes the job, and the
+    result equals one uninterrupted run."""
+    from data.regenerate import RegenerateConfig, read_regenerated, regenerate
+
+    convs = _convs(6)
+    cfg = RegenerateConfig(max_new_tokens=6, batch_size=2)
+    full = regenerate(convs, chat_target, cfg, tmp_path / "full.jsonl", progress=False)
+    assert full.remaining == 0
+    tiny = RegenerateConfig(max_new_tokens=6, batch_size=2, time_budget_s=1e-9)
+    first = regenerate(convs, chat_target, tiny, tmp_path / "part.jsonl", progress=False)
+    assert first.written == 2 and first.remaining == 4  # one batch always runs, then the budget is spent
+    while True:
+        r = regenerate(convs, chat_target, tiny, tmp_path / "part.jsonl", progress=False)
+        if r.remaining == 0:
+            break
+    a = {c.id: c.messages for c in read_regenerated(tmp_path / "full.jsonl")}
+    b = {c.id: c.messages for c in read_regenerated(tmp_path / "part.jsonl")}
+    assert a == b
