@@ -210,7 +210,7 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
             # appended per batch under a working name: a restart resumes it; removed once complete
             regen_res = regenerate(convs, target, cfg.regen, partial, progress=cfg.progress)
             by_id = {c.id: c for c in read_regenerated(partial)}
-            if regen_res.remaining:  # time budget: the rest keep their original answers for now
+            if regen_res.remaining and cfg.regen.unfinished == "keep":  # time budget: original answers for now
                 convs = [by_id.get(c.id, c) for c in convs]
             else:
                 convs = [by_id[c.id] for c in convs if c.id in by_id]  # corpus order, not generation order
@@ -288,7 +288,7 @@ def format_summary(res: PrepareResult) -> str:
             lines.append(
                 f"    regenerated {r.written} conversations ({r.already_done} already done), {r.turns} "
                 f"turns, {r.generated_tokens:,} tokens at {r.tokens_per_s:.1f} tok/s; finish {r.finish}"
-                + (f"; {r.remaining} keep their original answers (time budget)" if r.remaining else "")
+                + (f"; {r.remaining} not regenerated yet (time budget)" if r.remaining else "")
             )
     return "\n".join(lines)
 

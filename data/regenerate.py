@@ -67,7 +67,11 @@ class RegenerateConfig:
     """KV cache of the ``hf`` engine: ``dynamic`` or ``static``."""
     time_budget_s: float | None = None
     """Stop starting new batches after this many seconds of generation in one run (None: no limit). What is
-    left keeps its original answers; a later run with the same output continues where this one stopped."""
+    left keeps its original answers (see ``unfinished``); a later run with the same output continues where this one
+    stopped."""
+    unfinished: str = "keep"
+    """What a time-budgeted run does with conversations not regenerated yet: ``keep`` their original answers in the
+    prepared data, or ``drop`` them (train on the target's own answers only)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -82,6 +86,8 @@ class RegenerateConfig:
             raise ValueError(f"max_turns must be >= 1 or null, not {self.max_turns}")
         if self.engine not in ("loop", "hf"):
             raise ValueError(f"engine must be 'loop' or 'hf', not {self.engine!r}")
+        if self.unfinished not in ("keep", "drop"):
+            raise ValueError(f"unfinished must be 'keep' or 'drop', not {self.unfinished!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 or null, not {self.time_budget_s}")
         if self.cache not in ("dynamic", "static"):

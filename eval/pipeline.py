@@ -120,6 +120,13 @@ def stage_prepare(pcfg, target: Target) -> tuple[Any, StageRecord]:
     if train.regen is not None:
         facts["regenerated"] = train.regen.written + train.regen.already_done
         facts["regen_tokens_per_s"] = round(train.regen.tokens_per_s, 1)
+        if (
+            train.regen.remaining
+        ):  # a time-budgeted run: how many were not regenerated, and what became of them
+            kept = pcfg.regen.unfinished == "keep"
+            facts["not_regenerated_" + ("kept_with_original_answers" if kept else "left_out")] = (
+                train.regen.remaining
+            )
     return res, StageRecord("prepare", str(res.out_dir), time.perf_counter() - t0, res.reused, facts)
 
 

@@ -299,3 +299,26 @@ def test_time_budget_keeps_originals_and_a_later_run_continues(chat_target, tmp_
     a = {c.id: c.messages for c in read_regenerated(tmp_path / "full.jsonl")}
     b = {c.id: c.messages for c in read_regenerated(tmp_path / "part.jsonl")}
     assert a == b
+
+
+@pytest.mark.parametrize("unfinished", ["keep", "drop"])
+def test_prepare_with_a_spent_time_budget_keeps_or_drops_the_rest(chat_target, tmp_path, unfinished):
+    """Out of time: the prepared split holds the regenerated conversations plus (keep) or without (drop) the
+    others with their original answers; the summary marks the output unfinished, and the next run continues."""
+    regen = RegenerateConfig(max_new_tokens=5, batch_size=2, time_budget_s=1e-9, unfinished=unfinished)
+    cfg = PrepareConfig(
+        corpus=_corpus(tmp_path),
+        work_dir=str(tmp_path / "runs"),
+        max_len=64,
+        regenerate=True,
+        regen=regen,
+        progress=False,
+    )
+    res = prepare(cfg, chat_target)
+    s = res.splits["train"]
+    convs = read_conversations(s.conversations_path)
+    done = [c for c in convs if c.meta.get("regenerated")]
+    assert len(done) == s.regen.written == 2 and s.regen.remaining > 0 and not res.complete
+    assert len(convs) == (2 if unfinished == "drop" else 2 + s.regen.remaining)
+    again = prepare(cfg, chat_target)
+    assert not again.reused and again.splits["train"].regen.already_done == 2
