@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from eval.profile import ProfileConfig, StepProfile, profile_steps
 from serving.target import Target, TargetConfig
 from serving.tree import TreeConfig
 from serving.verify import SamplingConfig
+
+if TYPE_CHECKING:
+    from data.store import BytesPerToken
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +133,57 @@ def stage_prepare(pcfg, target: Target) -> tuple[Any, StageRecord]:
     return res, StageRecord("prepare", str(res.out_dir), time.perf_counter() - t0, res.reused, facts)
 
 
-def stage_extract(prep, ecfg, target: Target, work_dir: Path) -> tuple[Path, StageRecord]:
+def extraction_speed_check(
+    samples, target: Target, ecfg, max_tokens: int, repeats: int = 2
+) -> dict[str, Any]:
+    """Extraction against a bare transformers forward (logits at every position) over the same first
+    ``max_tokens`` tokens of ``samples``, in the same micro-batches; best of ``repeats``, interleaved."""
+    import tempfile
+    from dataclasses import replace
+
+    from data.extract import extract
+    from eval.bench_extract import bare_forward, timed
+
+    sub, n = [], 0
+    for s in samples:
+        if n >= max_tokens:
+            break
+        sub.append(s)
+        n += s.num_tokens
+    cfg = replace(ecfg, progress=False)
+    bare = bare_forward(target, sub, cfg.max_batch_tokens, cfg.max_batch_rows, base_only=False)
+
+    def run_extract() -> None:
+        with tempfile.TemporaryDirectory(prefix="eyas-check-") as d:
+            extract(sub, target, d, cfg)
+
+    best_bare = best_ext = float("inf")
+    for _ in range(repeats):
+        best_bare = min(best_bare, timed(bare, target.device))
+        best_ext = min(best_ext, timed(run_extract, target.device))
+    return {
+        "check_tokens": n,
+        "bare_forward_tokens_per_s": round(n / best_bare, 1),
+        "check_extract_tokens_per_s": round(n / best_ext, 1),
+        "extract_time_vs_bare_forward": round(best_ext / best_bare, 3),
+    }
+
+
+def store_sizes(target: Target) -> dict[str, BytesPerToken]:
+    """Bytes per token of every storage option for this target."""
+    from data.store import bytes_per_token
+    from eval.bench_extract import OPTIONS
+
+    info = target.info
+    return {
+        name: bytes_per_token(info.hidden_size, len(info.aux_layers), opt, info.vocab_size)
+        for name, opt in OPTIONS.items()
+    }
+
+
+def stage_extract(
+    prep, ecfg, target: Target, work_dir: Path, speed_check_tokens: int = 0
+) -> tuple[Path, StageRecord]:
     from data.extract import extract, inputs_fingerprint, read_samples_jsonl
 
     t0 = time.perf_counter()
@@ -162,6 +215,22 @@ def stage_extract(prep, ecfg, target: Target, work_dir: Path) -> tuple[Path, Sta
         + (f", {res.tokens_per_s:.0f} tok/s" if res.shards_written else ""),
         flush=True,
     )
+    sizes = store_sizes(target)
+    print(
+        "store bytes/token by option (ratio to 4H bf16): "
+        + ", ".join(f"{k} {b.total} ({b.ratio_to_anchor:.2f})" for k, b in sizes.items()),
+        flush=True,
+    )
+    if res.shards_written and speed_check_tokens > 0:
+        check = extraction_speed_check(samples, target, ecfg, speed_check_tokens)
+        facts.update(check)
+        print(
+            f"extract speed check over {check['check_tokens']:,} tokens: extraction "
+            f"{check['check_extract_tokens_per_s']:.0f} tok/s, bare target forward "
+            f"{check['bare_forward_tokens_per_s']:.0f} tok/s: extraction takes "
+            f"{check['extract_time_vs_bare_forward']:.2f}x the bare forward's time (goal <= 1.10)",
+            flush=True,
+        )
     return out, StageRecord("extract", str(out), time.perf_counter() - t0, res.shards_written == 0, facts)
 
 
@@ -326,7 +395,9 @@ def run_pipeline(cfg) -> PipelineResult:
     ]
     prep, rec = stage_prepare(pcfg, target)
     stages.append(rec)
-    store_dir, rec = stage_extract(prep, ecfg, target, work_dir)
+    store_dir, rec = stage_extract(
+        prep, ecfg, target, work_dir, speed_check_tokens=int(d.get("extract_speed_check_tokens") or 0)
+    )
     stages.append(rec)
     train_res, rec = stage_train(store_dir, dcfg, tcfg, target, work_dir)
     stages.append(rec)

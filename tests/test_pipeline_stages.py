@@ -1,0 +1,46 @@
+"""The pipeline's extract-stage reports: store size per option and the speed check against a bare forward."""
+
+from __future__ import annotations
+
+import random
+
+from data.extract import ExtractConfig
+from data.store import StoreOptions
+from data.types import Sample
+from eval.pipeline import extraction_speed_check, store_sizes
+
+from .conftest import make_tiny_target
+
+
+def _samples(n: int, vocab: int) -> list[Sample]:
+    rng = random.Random(0)
+    out = []
+    for i in range(n):
+        k = rng.randint(8, 40)
+        out.append(Sample(f"s{i}", [rng.randrange(vocab) for _ in range(k)], [j > 2 for j in range(k)]))
+    return out
+
+
+def test_store_sizes_cover_every_option_and_order_by_precision():
+    target = make_tiny_target("llama")
+    sizes = store_sizes(target)
+    h, n_aux = target.info.hidden_size, len(target.info.aux_layers)
+    anchor = 4 * h * 2
+    assert {b.anchor for b in sizes.values()} == {anchor}
+    # bf16 aux + bf16 final hidden = the anchor, plus the token id and loss mask bytes
+    assert sizes["bf16+hidden"].total == (n_aux + 1) * h * 2 + sizes["bf16+hidden"].tokens
+    assert sizes["int4+top32"].total < sizes["fp8+top32"].total < sizes["bf16+top32"].total
+    assert sizes["fp8+hidden"].total < sizes["bf16+hidden"].total
+
+
+def test_speed_check_times_the_same_tokens_both_ways(tmp_path):
+    target = make_tiny_target("llama")
+    samples = _samples(12, target.info.vocab_size)
+    cfg = ExtractConfig(store=StoreOptions(distribution="topk", topk=4), shard_size=4, progress=False)
+    check = extraction_speed_check(samples, target, cfg, max_tokens=100, repeats=1)
+    lengths = [s.num_tokens for s in samples]
+    first = next(i for i in range(len(lengths)) if sum(lengths[: i + 1]) >= 100)
+    assert check["check_tokens"] == sum(lengths[: first + 1])
+    assert check["bare_forward_tokens_per_s"] > 0 and check["check_extract_tokens_per_s"] > 0
+    ratio = check["bare_forward_tokens_per_s"] / check["check_extract_tokens_per_s"]
+    assert abs(check["extract_time_vs_bare_forward"] - ratio) < 0.01 * ratio + 1e-3
