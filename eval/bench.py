@@ -86,7 +86,7 @@ def _ablation(cfg: DictConfig, pipe, work_dir: Path) -> dict[str, Any] | None:
 def write_bench_md(
     path: Path, pipe, train_bench, extract_bench, ablation, command: str, seconds: float
 ) -> None:
-    from eval.report import markdown_table
+    from eval.report import GREEDY_MATCH_NOTE, markdown_table
 
     facts = {f"{s.name}.{k}": v for s in pipe.stages for k, v in s.facts.items()}
     acc = pipe.acceptance
@@ -104,8 +104,7 @@ def write_bench_md(
         markdown_table(acc),
         "",
         "τ = tokens per verify step (bonus token included); speedup = end-to-end tokens/s over plain decoding "
-        "(`none`) through the same loop; greedy match = share of prompts whose output is token-for-token the plain "
-        "decoding output.",
+        "(`none`) through the same loop. " + GREEDY_MATCH_NOTE,
         "",
     ]
     by_label = {}

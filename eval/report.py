@@ -120,8 +120,16 @@ def results_table(acc: AcceptanceResult, title: str = "eyas: acceptance and thro
     return t
 
 
+GREEDY_MATCH_NOTE = (
+    "greedy match = share of prompts whose output is token for token the plain-decoding (`none`) output. In fp32 "
+    "it is always 100% (the loop is lossless: tests/test_loop.py); in bf16 a verify forward over several tokens "
+    "rounds differently from a one-token forward, so at a near-tie the target's own argmax can flip and the text "
+    "take another (equally greedy) path."
+)
+
+
 def print_table(acc: AcceptanceResult, title: str = "eyas: acceptance and throughput") -> None:
-    Console().print(results_table(acc, title))
+    Console(width=max(120, Console().width)).print(results_table(acc, title))
 
 
 def markdown_table(acc: AcceptanceResult) -> str:
@@ -167,7 +175,7 @@ def write_report(
     md = [f"# {title}", ""]
     if command:
         md += ["Reproduce with:", "", f"    {command}", ""]
-    md += [markdown_table(acc), ""]
+    md += [markdown_table(acc), "", GREEDY_MATCH_NOTE, ""]
     if extra:
         md += ["## Run facts", ""]
         md += [f"- **{k}**: {v}" for k, v in extra.items() if not isinstance(v, (dict, list))]
