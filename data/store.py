@@ -272,9 +272,10 @@ class FeatureCodec:
         ids = torch.empty(n, k, dtype=torch.int32, device=hidden.device)
         chunk = max(1, (1 << 26) // self.vocab_size)  # rows per chunk: at most 256 MiB of fp32 logits
         for s in range(0, n, chunk):
-            logprobs = torch.log_softmax(head(hidden[s : s + chunk]).float(), dim=-1)  # [c, V]
-            top = torch.topk(logprobs, k, dim=-1)
-            lp[s : s + chunk] = top.values
+            logits = head(hidden[s : s + chunk]).float()  # [c, V]
+            # top-k of the logits minus their logsumexp: log_softmax's values without writing a [c, V] copy
+            top = torch.topk(logits, k, dim=-1)
+            lp[s : s + chunk] = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
             ids[s : s + chunk] = top.indices.to(torch.int32)
         tail = (1.0 - lp.double().exp().sum(-1)).clamp_(min=0.0).float()  # fp64 sum: 1e-7-exact tail
         return {"topk_logprobs": lp, "topk_ids": ids, "tail_mass": tail}

@@ -152,20 +152,24 @@ def extraction_speed_check(
         n += s.num_tokens
     cfg = replace(ecfg, progress=False)
     bare = bare_forward(target, sub, cfg.max_batch_tokens, cfg.max_batch_rows, base_only=False)
+    base = bare_forward(target, sub, cfg.max_batch_tokens, cfg.max_batch_rows, base_only=True)
 
     def run_extract() -> None:
         with tempfile.TemporaryDirectory(prefix="eyas-check-") as d:
             extract(sub, target, d, cfg)
 
-    best_bare = best_ext = float("inf")
+    best_bare = best_base = best_ext = float("inf")
     for _ in range(repeats):
         best_bare = min(best_bare, timed(bare, target.device))
+        best_base = min(best_base, timed(base, target.device))
         best_ext = min(best_ext, timed(run_extract, target.device))
     return {
         "check_tokens": n,
         "bare_forward_tokens_per_s": round(n / best_bare, 1),
+        "bare_base_tokens_per_s": round(n / best_base, 1),
         "check_extract_tokens_per_s": round(n / best_ext, 1),
         "extract_time_vs_bare_forward": round(best_ext / best_bare, 3),
+        "extract_time_vs_bare_base": round(best_ext / best_base, 3),
     }
 
 
@@ -226,9 +230,11 @@ def stage_extract(
         facts.update(check)
         print(
             f"extract speed check over {check['check_tokens']:,} tokens: extraction "
-            f"{check['check_extract_tokens_per_s']:.0f} tok/s, bare target forward "
-            f"{check['bare_forward_tokens_per_s']:.0f} tok/s: extraction takes "
-            f"{check['extract_time_vs_bare_forward']:.2f}x the bare forward's time (goal <= 1.10)",
+            f"{check['check_extract_tokens_per_s']:.0f} tok/s; bare target forward with logits "
+            f"{check['bare_forward_tokens_per_s']:.0f} tok/s, without the vocabulary projection "
+            f"{check['bare_base_tokens_per_s']:.0f} tok/s: extraction takes "
+            f"{check['extract_time_vs_bare_forward']:.2f}x / {check['extract_time_vs_bare_base']:.2f}x their "
+            "time (goal <= 1.10)",
             flush=True,
         )
     return out, StageRecord("extract", str(out), time.perf_counter() - t0, res.shards_written == 0, facts)
