@@ -210,7 +210,9 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
             # appended per batch under a working name: a restart resumes it; removed once complete
             regen_res = regenerate(convs, target, cfg.regen, partial, progress=cfg.progress)
             by_id = {c.id: c for c in read_regenerated(partial)}
-            if regen_res.remaining and cfg.regen.unfinished == "keep":  # time budget: original answers for now
+            if (
+                regen_res.remaining and cfg.regen.unfinished == "keep"
+            ):  # time budget: original answers for now
                 convs = [by_id.get(c.id, c) for c in convs]
             else:
                 convs = [by_id[c.id] for c in convs if c.id in by_id]  # corpus order, not generation order
