@@ -176,14 +176,18 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
     if tok is None:
         raise ValueError("prepare needs the target's tokenizer: pass target= or tokenizer=")
     name = target.info.name if target is not None else None
-    out = (
-        Path(cfg.out_dir)
-        if cfg.out_dir
-        else Path(cfg.work_dir) / "prepare" / config_hash(cfg, tokenizer_hash(tok), name)
-    )
+    key = config_hash(cfg, tokenizer_hash(tok), name)
+    out = Path(cfg.out_dir) if cfg.out_dir else Path(cfg.work_dir) / "prepare" / key
     summary_path = out / "summary.json"
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
+        made_by = summary.get("config_hash")
+        if made_by is not None and made_by != key:  # only a fixed out_dir can hold another config's output
+            raise ValueError(
+                f"{out} holds data prepared with other settings (config hash {made_by}, these settings give "
+                f"{key}: corpus, max_len, regeneration settings or tokenizer differ). Use another "
+                "prepare.out_dir, or leave it unset so every configuration gets its own directory."
+            )
         if summary.get("complete", True) or not cfg.regenerate:
             log.info("prepare: reusing the finished output in %s", out)
             return _result_from_summary(out, summary)
@@ -236,7 +240,7 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
             samples_path=str(samples_path),
         )
     result = PrepareResult(out_dir=out, splits=splits, corpus_stats=corpus_stats)
-    _write_json_atomic(summary_path, {**result.to_dict(), "complete": result.complete})
+    _write_json_atomic(summary_path, {**result.to_dict(), "complete": result.complete, "config_hash": key})
     return result
 
 

@@ -322,3 +322,13 @@ def test_prepare_with_a_spent_time_budget_keeps_or_drops_the_rest(chat_target, t
     assert len(convs) == (2 if unfinished == "drop" else 2 + s.regen.remaining)
     again = prepare(cfg, chat_target)
     assert not again.reused and again.splits["train"].regen.already_done == 2
+
+
+def test_a_fixed_out_dir_refuses_output_of_other_settings(chat_target, tmp_path):
+    base = dict(corpus=_corpus(tmp_path), work_dir=str(tmp_path / "runs"), progress=False)
+    out = str(tmp_path / "fixed")
+    first = prepare(PrepareConfig(**base, max_len=64, out_dir=out), tokenizer=chat_target.tokenizer)
+    assert prepare(PrepareConfig(**base, max_len=64, out_dir=out), tokenizer=chat_target.tokenizer).reused
+    with pytest.raises(ValueError, match="other settings"):
+        prepare(PrepareConfig(**base, max_len=32, out_dir=out), tokenizer=chat_target.tokenizer)
+    assert first.out_dir == tmp_path / "fixed"
