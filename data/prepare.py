@@ -29,6 +29,7 @@ from typing import Any
 from data.chat import FormatStats, format_conversations
 from data.corpora import SPLITS, CorpusConfig, CorpusSplits, corpus_config_from_dict, iter_jsonl, load_corpus
 from data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
+from data.store import atomic_write_bytes
 from data.types import Conversation, Sample
 
 log = logging.getLogger(__name__)
@@ -118,9 +119,7 @@ def _write_jsonl_atomic(path: Path, records) -> None:
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
-    tmp.replace(path)
+    atomic_write_bytes(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str).encode())
 
 
 def sample_record(s: Sample) -> dict[str, Any]:

@@ -39,30 +39,26 @@ def _grouped_bars(ax, sets: list[str], methods: list[str], value) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_tau(acc: AcceptanceResult, path: Path) -> Path:
+def _plot_per_set(acc: AcceptanceResult, path: Path, attr: str, ylabel: str, title: str) -> Path:
+    """Grouped bars of ``attr`` of every (prompt set, method) result."""
     sets = list(dict.fromkeys(r.prompt_set for r in acc.results))
     methods = list(dict.fromkeys(r.method for r in acc.results))
     fig, ax = plt.subplots(figsize=(7, 4))
-    _grouped_bars(ax, sets, methods, lambda s, m: getattr(acc.get(s, m), "tau", float("nan")))
-    ax.set_ylabel("acceptance length τ (tokens / verify step)")
-    ax.set_title("τ per prompt set")
+    _grouped_bars(ax, sets, methods, lambda s, m: getattr(acc.get(s, m), attr, float("nan")))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_tau(acc: AcceptanceResult, path: Path) -> Path:
+    return _plot_per_set(acc, path, "tau", "acceptance length τ (tokens / verify step)", "τ per prompt set")
 
 
 def plot_throughput(acc: AcceptanceResult, path: Path) -> Path:
-    sets = list(dict.fromkeys(r.prompt_set for r in acc.results))
-    methods = list(dict.fromkeys(r.method for r in acc.results))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    _grouped_bars(ax, sets, methods, lambda s, m: getattr(acc.get(s, m), "tokens_per_s", float("nan")))
-    ax.set_ylabel("tokens / s (end to end)")
-    ax.set_title("Throughput per prompt set")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _plot_per_set(acc, path, "tokens_per_s", "tokens / s (end to end)", "Throughput per prompt set")
 
 
 def plot_acceptance_by_position(acc: AcceptanceResult, path: Path) -> Path:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from data.store import atomic_write_bytes
 from serving.drafter import WEIGHTS_FILE, save_drafter_weights
 from train.config import diff_identity
 
@@ -209,7 +210,7 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state.saved_at = time.time()
-        _atomic_write(tmp / STATE_FILE, json.dumps(asdict(state), indent=1, sort_keys=True))
+        atomic_write_bytes(tmp / STATE_FILE, json.dumps(asdict(state), indent=1, sort_keys=True).encode())
         if final.exists():  # a re-save of the same step (e.g. resumed exactly at the end)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -226,15 +227,6 @@ def _optimizer_state(optimizer) -> dict[str, Any]:
         optimizer, "optimizer", optimizer
     )  # accelerate's AcceleratedOptimizer wraps the torch one
     return inner.state_dict()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:

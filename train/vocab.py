@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.store import atomic_write_bytes
+
 
 @dataclass
 class DraftVocab:
@@ -66,9 +68,8 @@ class DraftVocab:
         """JSON with the statistics and the id list (atomic)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({**self.stats(), "draft_to_target": self.draft_to_target.tolist()}))
-        os.replace(tmp, path)
+        payload = {**self.stats(), "draft_to_target": self.draft_to_target.tolist()}
+        atomic_write_bytes(path, json.dumps(payload).encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike, target_vocab_size: int | None = None) -> DraftVocab:
