@@ -13,6 +13,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Every test starts on one thread, whatever an earlier test (or the code it ran) set."""
+    torch.set_num_threads(1)
+
+
 class _TinyTokenizer:
     """Just enough tokenizer for Target on tiny models (ids only; no chat template)."""
 

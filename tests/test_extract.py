@@ -29,16 +29,6 @@ from data.types import Sample
 from .conftest import make_tiny_target
 from .test_store import random_samples
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP barrier waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 ROOT = Path(__file__).resolve().parent.parent
 KILL_CFG = dict(shard_size=6, max_batch_tokens=64)
 

@@ -15,16 +15,6 @@ from data.store import FeatureStore, StoreOptions
 from .conftest import make_tiny_target
 from .test_store import random_samples
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP barrier waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 N = 40
 
 

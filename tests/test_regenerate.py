@@ -33,15 +33,6 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and lose much when the cores are shared (OpenMP spin-waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def chat_target():
     from serving.target import target_from_model

@@ -38,16 +38,6 @@ from data.types import Sample
 
 from .conftest import make_tiny_target
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run far faster on one thread when the CPU is shared (no OpenMP barrier waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 OPTIONS = {
     "bf16-hidden": StoreOptions(),
     "bf16-topk": StoreOptions(distribution="topk", topk=8),

@@ -28,15 +28,6 @@ from .conftest import make_tiny_target
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run faster on one thread on a shared CPU; the killed child process uses one thread too."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_setup(num_samples: int = 8, seq_len: int = 24, draft_vocab: int = 256):
     """A tiny target with a sharp next-token distribution (learnable), its synthetic data and a fresh drafter."""
     target = make_tiny_target("llama", seed=3)

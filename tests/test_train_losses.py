@@ -18,14 +18,6 @@ V, H, K = 40, 16, 3
 DRAFT = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13, 17, 19, 23, 29, 31, 37])  # 14 of 40 target ids
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_soft_cross_entropy_equals_direct_computation_and_gradient():
     g = torch.Generator().manual_seed(0)
     z = torch.randn(5, 7, generator=g, dtype=torch.float64).float().requires_grad_()
