@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The whole pipeline on the embedded default target (SmolLM2-135M-Instruct); prints the result table.
 demo: venv
-	$(BIN)/python -m eval.pipeline
+	$(BIN)/python -m eyas.pipeline
 
 # Lint, format check, then the test suite.
 test: venv lint

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from data.types import Conversation, Sample
+from eyas.data.types import Conversation, Sample
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from data.types import Conversation
+from eyas.data.types import Conversation
 
 log = logging.getLogger(__name__)
 
@@ -654,7 +654,7 @@ def _read_file_source(src: SourceConfig, split: str, stats: SourceStats) -> Iter
 
 
 def _read_sharegpt(src: SourceConfig, split: str, stats: SourceStats) -> Iterator[Conversation]:
-    from data.packaged import SHAREGPT
+    from eyas.data.packaged import SHAREGPT
 
     path = SHAREGPT.path(src.requirement, src.path)
     stream = JsonArrayStream(path, is_record=lambda o: isinstance(o, dict) and "conversations" in o)
@@ -679,7 +679,7 @@ def _read_sharegpt(src: SourceConfig, split: str, stats: SourceStats) -> Iterato
 def _read_evals(src: SourceConfig, split: str, stats: SourceStats) -> Iterator[Conversation]:
     """Registry data sets by name; ``subsets: ["*"]`` reads all of them (~1M records), skipping (and counting)
     files that are not valid JSONL, whereas a data set named explicitly must parse."""
-    from data.packaged import EVALS, packaged_member_file, packaged_members
+    from eyas.data.packaged import EVALS, packaged_member_file, packaged_members
 
     local = src.path or os.environ.get(EVALS.env_var)
     requirement = src.requirement or EVALS.requirement
@@ -793,7 +793,7 @@ def _read_reasoning_gym(
 
 
 def _read_mt_bench(src: SourceConfig, split: str, stats: SourceStats) -> Iterator[Conversation]:
-    from data.packaged import MT_BENCH
+    from eyas.data.packaged import MT_BENCH
 
     path = MT_BENCH.path(src.requirement, src.path)
     for lineno, rec in iter_jsonl(path):
@@ -810,7 +810,7 @@ def _read_mt_bench(src: SourceConfig, split: str, stats: SourceStats) -> Iterato
 
 
 def _read_humaneval(src: SourceConfig, split: str, stats: SourceStats) -> Iterator[Conversation]:
-    from data.packaged import HUMANEVAL
+    from eyas.data.packaged import HUMANEVAL
 
     path = HUMANEVAL.path(src.requirement, src.path)
     for lineno, rec in iter_jsonl(path):

@@ -1,6 +1,6 @@
 """Feature extraction: run the target over formatted samples and write the feature store.
 
-``python -m data.extract extract.samples=samples.jsonl extract.out_dir=runs/store`` (Hydra; any ``target=``).
+``python -m eyas.data.extract extract.samples=samples.jsonl extract.out_dir=runs/store`` (Hydra; any ``target=``).
 
 Design decisions:
 - Shard k holds samples ``[k * shard_size, (k + 1) * shard_size)`` of the input order, and its micro-batches are
@@ -42,7 +42,7 @@ import torch
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
-from data.store import (
+from eyas.data.store import (
     MANIFEST,
     BytesPerToken,
     FeatureCodec,
@@ -60,7 +60,7 @@ from data.store import (
     verify_store,
     write_safetensors,
 )
-from data.types import Sample
+from eyas.data.types import Sample
 
 log = logging.getLogger(__name__)
 
@@ -536,7 +536,7 @@ def run_from_config(cfg) -> ExtractResult:
     """The Hydra job: ``cfg.target`` (TargetConfig fields) and ``cfg.extract`` (samples, out_dir, ExtractConfig)."""
     from omegaconf import OmegaConf
 
-    from serving.target import TargetConfig, load_target
+    from eyas.serving.target import TargetConfig, load_target
 
     ex = OmegaConf.to_container(cfg.extract, resolve=True)
     assert isinstance(ex, dict)
@@ -563,7 +563,7 @@ def _ensure_group_default(argv: list[str]) -> list[str]:
 def main() -> None:
     import hydra
 
-    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
     def _app(cfg) -> None:
         res = run_from_config(cfg)
         print(

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from data.store import FeatureCodec, SampleRows
-from data.types import Batch
+from eyas.data.store import FeatureCodec, SampleRows
+from eyas.data.types import Batch
 
 log = logging.getLogger(__name__)
 

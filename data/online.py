@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from data.extract import codec_for, compute_features
-from data.loader import FeatureLoader, LoaderConfig
-from data.store import SampleRows, StoreOptions
-from data.types import Sample
+from eyas.data.extract import codec_for, compute_features
+from eyas.data.loader import FeatureLoader, LoaderConfig
+from eyas.data.store import SampleRows, StoreOptions
+from eyas.data.types import Sample
 
 
 class OnlineSource:

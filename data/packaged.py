@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving.embedded import (
+from eyas.serving.embedded import (
     PackagedFetchError,
     cache_dir,
     extract_member,

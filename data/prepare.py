@@ -1,6 +1,6 @@
 """The data-preparation stage: corpus mixture → optional regeneration by the target → chat-formatted samples.
 
-``python -m data.prepare corpus=demo prepare.regenerate=true prepare.regen.max_new_tokens=256`` (Hydra app on
+``python -m eyas.data.prepare corpus=demo prepare.regenerate=true prepare.regen.max_new_tokens=256`` (Hydra app on
 ``conf/config.yaml``; ``target=`` picks the model whose tokenizer and chat template are used).
 
 Design decisions:
@@ -26,11 +26,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data.chat import FormatStats, format_conversations
-from data.corpora import SPLITS, CorpusConfig, CorpusSplits, corpus_config_from_dict, iter_jsonl, load_corpus
-from data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
-from data.store import atomic_write_bytes
-from data.types import Conversation, Sample
+from eyas.data.chat import FormatStats, format_conversations
+from eyas.data.corpora import (
+    SPLITS,
+    CorpusConfig,
+    CorpusSplits,
+    corpus_config_from_dict,
+    iter_jsonl,
+    load_corpus,
+)
+from eyas.data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
+from eyas.data.store import atomic_write_bytes
+from eyas.data.types import Conversation, Sample
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +174,7 @@ def config_hash(cfg: PrepareConfig, tokenizer_fingerprint: str, target_name: str
 def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult:
     """Run the stage. ``target`` (a :class:`serving.target.Target`) is needed to regenerate; otherwise its
     tokenizer, or ``tokenizer`` alone, is enough."""
-    from serving.target import tokenizer_hash
+    from eyas.serving.target import tokenizer_hash
 
     if cfg.regenerate and target is None:
         raise ValueError("prepare.regenerate=true needs the target model (pass target=load_target(...))")
@@ -312,8 +319,8 @@ def load_tokenizer(tcfg):
     """The tokenizer of the target described by ``tcfg`` (a ``TargetConfig``), without loading the model."""
     from transformers import AutoTokenizer
 
-    from serving.embedded import convert_gguf
-    from serving.target import _resolve_source
+    from eyas.serving.embedded import convert_gguf
+    from eyas.serving.target import _resolve_source
 
     path, gguf_file, _ = _resolve_source(tcfg)
     if gguf_file is not None:
@@ -328,9 +335,9 @@ def _hydra_main() -> None:
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
-    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
     def main(cfg: DictConfig) -> None:
-        from serving.target import TargetConfig, load_target
+        from eyas.serving.target import TargetConfig, load_target
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         pcfg = prepare_config_from_hydra(cfg)

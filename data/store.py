@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.quant import dequantize_fp8, dequantize_int4, quantize_fp8, quantize_int4
+from eyas.data.quant import dequantize_fp8, dequantize_int4, quantize_fp8, quantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -647,7 +647,7 @@ class FeatureStore:
         self.path = Path(path)
         if not (self.path / MANIFEST).exists():
             raise FileNotFoundError(
-                f"{self.path} is not a feature store: no {MANIFEST} (run `python -m data.extract` first)"
+                f"{self.path} is not a feature store: no {MANIFEST} (run `python -m eyas.data.extract` first)"
             )
         self.manifest = Manifest.load(self.path)
         if expect_target is not None:

@@ -20,9 +20,9 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from serving.drafter import Eagle3Drafter
-from serving.loop import GenerationResult, generate
-from serving.proposers import (
+from eyas.serving.drafter import Eagle3Drafter
+from eyas.serving.loop import GenerationResult, generate
+from eyas.serving.proposers import (
     Eagle3Proposer,
     Eagle3ProposerConfig,
     NoProposer,
@@ -30,9 +30,9 @@ from serving.proposers import (
     PromptLookupProposer,
     Proposer,
 )
-from serving.target import Target
-from serving.tree import TreeConfig
-from serving.verify import SamplingConfig
+from eyas.serving.target import Target
+from eyas.serving.tree import TreeConfig
+from eyas.serving.verify import SamplingConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Diagnose a deployment's tokens/s, recommend its speculation settings, and plan its context length.
 
-``python -m eval.diagnose [measure] [preset=default] key=value ...``  measure, explain, recommend (this file)
-``python -m eval.diagnose plan model=kimi_k2 gpu_mem_gib=141 ...``   memory plan (``eval.plan``)
+``python -m eyas.eval.diagnose [measure] [preset=default] key=value ...``  measure, explain, recommend (this file)
+``python -m eyas.eval.diagnose plan model=kimi_k2 gpu_mem_gib=141 ...``   memory plan (``eval.plan``)
 
 Presets live in ``conf/diagnose/`` (``default``: a few minutes on the embedded target; ``smoke``; ``gpu``). The
 measure mode writes ``report.md``, ``results.json`` and plots to ``out_dir`` and exits with status 1 when a cell
@@ -57,16 +57,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from eval.acceptance import (
+from eyas.eval.acceptance import (
     AcceptanceResult,
     MethodSpec,
     PromptSetSpec,
     aggregate,
     make_proposer,
 )
-from eval.profile import ProfileConfig, StepProfile, StepProfiler, time_ms
-from eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_messages  # noqa: F401
-from eval.throughput import (
+from eyas.eval.profile import ProfileConfig, StepProfile, StepProfiler, time_ms
+from eyas.eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_messages  # noqa: F401
+from eyas.eval.throughput import (
     AcceptanceCurve,
     ChainSweep,
     CostCurves,
@@ -79,12 +79,12 @@ from eval.throughput import (
     price_step,
     sweep_chain,
 )
-from serving.drafter import Eagle3Drafter
-from serving.loop import GenerationResult, context_limit, generate
-from serving.proposers import DraftContext, Proposer
-from serving.target import Target, TargetConfig
-from serving.tree import TreeConfig
-from serving.verify import SamplingConfig
+from eyas.serving.drafter import Eagle3Drafter
+from eyas.serving.loop import GenerationResult, context_limit, generate
+from eyas.serving.proposers import DraftContext, Proposer
+from eyas.serving.target import Target, TargetConfig
+from eyas.serving.tree import TreeConfig
+from eyas.serving.verify import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _default_sets() -> list[PromptSetSpec]:
 
 @dataclass
 class DiagnoseConfig:
-    """What ``measure`` runs (also the ``key=value`` arguments of ``python -m eval.diagnose``)."""
+    """What ``measure`` runs (also the ``key=value`` arguments of ``python -m eyas.eval.diagnose``)."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
     """The target model (default: the embedded SmolLM2-135M-Instruct)."""
@@ -265,7 +265,7 @@ class LoadedDrafter:
 
 def random_drafter(target: Target, draft_vocab_size: int = 32000, seed: int = 0) -> Eagle3Drafter:
     """An untrained EAGLE-3 drafter for ``target`` (its τ is ~1; the step costs are a trained one's)."""
-    from serving.drafter import DrafterConfig
+    from eyas.serving.drafter import DrafterConfig
 
     dcfg = DrafterConfig.from_target(
         target.model.config, list(target.aux_layers), min(draft_vocab_size, target.vocab_size)
@@ -288,7 +288,7 @@ def _is_export_dir(d: Path) -> bool:
 
 
 def _is_trainer_dir(d: Path) -> bool:
-    from serving.drafter import is_drafter_checkpoint
+    from eyas.serving.drafter import is_drafter_checkpoint
 
     return is_drafter_checkpoint(d)
 
@@ -316,18 +316,18 @@ def load_drafter(
         if found is None:
             raise DiagnoseError(
                 f"drafter=auto: no exported or trained drafter under {runs_dir}/; train and export one "
-                "(python -m train ...), point drafter= at a checkpoint, or use drafter=random"
+                "(python -m eyas.train ...), point drafter= at a checkpoint, or use drafter=random"
             )
         path = found
     if not path.is_dir():
         raise DiagnoseError(f"drafter {spec!r} is neither random, auto nor a directory")
     if _is_export_dir(path):
-        from serving.export import load_exported
+        from eyas.serving.export import load_exported
 
         d = load_exported(path, embedding=target, dtype=target.dtype, device=target.device)
         return LoadedDrafter(d.eval(), str(path), True)
     if not _is_trainer_dir(path):
-        from train.checkpoint import latest_checkpoint
+        from eyas.train.checkpoint import latest_checkpoint
 
         ckpt = latest_checkpoint(path / "checkpoints") if (path / "checkpoints").is_dir() else None
         best = path / "best"
@@ -337,7 +337,7 @@ def load_drafter(
                 f"{spec}: no drafter here (an export needs config.json + model.safetensors; a trainer "
                 "checkpoint needs drafter_config.json + drafter.safetensors)"
             )
-    from serving.drafter import load_trained_drafter
+    from eyas.serving.drafter import load_trained_drafter
 
     drafter = load_trained_drafter(path, target.model.get_input_embeddings().weight)
     return LoadedDrafter(drafter.to(device=target.device, dtype=target.dtype).eval(), str(path), True)
@@ -362,7 +362,7 @@ class ContextPrompts:
 
 def filler_pairs(corpus: str, limit: int = 64) -> list[list[dict[str, str]]]:
     """(user, assistant) turn pairs from the first conversations of a corpus, to pad contexts with."""
-    from data.corpora import load_corpus_config, read_source
+    from eyas.data.corpora import load_corpus_config, read_source
 
     pairs: list[list[dict[str, str]]] = []
     for src in load_corpus_config(corpus).sources:
@@ -388,7 +388,7 @@ def pad_to_context(
 ) -> list[int]:
     """Token ids of earlier filler turns + ``messages`` under the chat template, at most ``length`` tokens
     (the last filler answer cut to fit), or the bare prompt when it alone is longer."""
-    from data.chat import format_prompt
+    from eyas.data.chat import format_prompt
 
     ids = format_prompt(messages, tokenizer)
     if len(ids) >= length:
@@ -969,7 +969,7 @@ def _config_dict(cfg: DiagnoseConfig) -> dict[str, Any]:
 def target_facts(target: Target) -> dict[str, Any]:
     """The target's identity plus, from ``eval.plan``'s arithmetic, the KV bytes one token adds to every verify
     forward's reads (why verify time grows with context) and its supported context."""
-    from eval.plan import PlanError, load_model_config, model_shape, supported_context
+    from eyas.eval.plan import PlanError, load_model_config, model_shape, supported_context
 
     facts = target.info.to_dict()
     try:
@@ -1128,7 +1128,7 @@ def step_profile(costs: CostCurves) -> StepProfile:
 
 def write_report(result: DiagnoseResult, out_dir: str | Path, command: str | None = None) -> Path:
     """``report.md``, ``results.json`` and the plots into ``out_dir``; returns the report's path."""
-    from eval import report
+    from eyas.eval import report
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -1304,10 +1304,10 @@ def load_config(args: list[str]) -> DiagnoseConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m eval.diagnose [measure|plan] key=value ...`` (see the module docstring)."""
+    """``python -m eyas.eval.diagnose [measure|plan] key=value ...`` (see the module docstring)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "plan":
-        from eval.plan import main as plan_main
+        from eyas.eval.plan import main as plan_main
 
         return plan_main(args[1:])
     if args and args[0] == "measure":
@@ -1315,7 +1315,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(__doc__.split("\n\n")[1])
         print("measure fields: " + ", ".join(DiagnoseConfig.__dataclass_fields__))
-        print("plan fields: see python -m eval.plan --help")
+        print("plan fields: see python -m eyas.eval.plan --help")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -1328,7 +1328,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    from serving.target import load_target
+    from eyas.serving.target import load_target
 
     try:
         target = load_target(cfg.target)
@@ -1336,7 +1336,7 @@ def main(argv: list[str] | None = None) -> int:
     except DiagnoseError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    command = "python -m eval.diagnose " + " ".join(shlex.quote(a) for a in args)
+    command = "python -m eyas.eval.diagnose " + " ".join(shlex.quote(a) for a in args)
     path = write_report(result, cfg.out_dir, command)
     print_summary(result, path)
     return 1 if result.flagged else 0

@@ -1,6 +1,6 @@
 """Memory plan for serving a target: KV bytes per token, weights, the KV pool and the largest context that fits.
 
-``python -m eval.plan model=kimi_k2 gpu_mem_gib=141 num_gpus=8 dp_attention=8 kv_dtype=fp8 context=131072``
+``python -m eyas.eval.plan model=kimi_k2 gpu_mem_gib=141 num_gpus=8 dp_attention=8 kv_dtype=fp8 context=131072``
 
 Design decisions:
 - Everything comes from the model config alone (a preset in ``conf/models/``, a ``config.json`` file or
@@ -316,7 +316,7 @@ def supported_context(cfg: dict[str, Any], shape: ModelShape) -> ContextLimit:
 # -- the plan ----------------------------------------------------------------------------------------------------
 @dataclass
 class PlanConfig:
-    """Inputs of :func:`plan` (also the ``key=value`` arguments of ``python -m eval.plan``)."""
+    """Inputs of :func:`plan` (also the ``key=value`` arguments of ``python -m eyas.eval.plan``)."""
 
     model: str = "smollm2_135m"
     """Preset name in conf/models/, or a config.json file or model directory."""
@@ -612,7 +612,7 @@ def _drafter_costs(
     """(weight bytes per GPU, KV bytes per token per GPU) of an EAGLE-3 drafter for this target."""
     from types import SimpleNamespace
 
-    from serving.drafter import DrafterConfig
+    from eyas.serving.drafter import DrafterConfig
 
     aux = [1, s.num_layers // 2 - 1, s.num_layers - 4] if s.num_layers >= 8 else [0, 1, 2]
     d = DrafterConfig.from_target(SimpleNamespace(**cfg), aux, min(pc.draft_vocab_size, s.vocab_size))
@@ -626,7 +626,7 @@ def _drafter_costs(
 
 # -- entry point -------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """``python -m eval.plan key=value ...`` (the :class:`PlanConfig` fields); prints the plan table."""
+    """``python -m eyas.eval.plan key=value ...`` (the :class:`PlanConfig` fields); prints the plan table."""
     from omegaconf import OmegaConf
 
     args = sys.argv[1:] if argv is None else argv

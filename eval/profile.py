@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from serving.drafter import Eagle3Drafter
-from serving.kv_cache import SlotCache
-from serving.loop import prefill, tree_forward
-from serving.target import Target
-from serving.tree import DraftTree, chain_tree
-from serving.verify import SamplingConfig, verify
+from eyas.serving.drafter import Eagle3Drafter
+from eyas.serving.kv_cache import SlotCache
+from eyas.serving.loop import prefill, tree_forward
+from eyas.serving.target import Target
+from eyas.serving.tree import DraftTree, chain_tree
+from eyas.serving.verify import SamplingConfig, verify
 
 STATISTICS = ("median", "mean", "min")
 

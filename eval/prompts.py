@@ -13,14 +13,14 @@ import random
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eval.acceptance import PromptSetSpec
+    from eyas.eval.acceptance import PromptSetSpec
 
 BUILTIN_PREDICTABLE = "builtin:predictable"
 
 
 def builtin_predictable(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
     """Prompts whose answers are fixed by the prompt or a trivial rule (see the module docstring)."""
-    from data.corpora import load_prompt_set
+    from eyas.data.corpora import load_prompt_set
 
     rng = random.Random(seed)
     code = [c.meta.get("code_prompt", "") for c in load_prompt_set("humaneval", n=max(n, 4), seed=seed)]
@@ -48,7 +48,7 @@ def builtin_predictable(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
 
 def prompt_messages(spec: PromptSetSpec, seed: int = 0) -> list[list[dict[str, Any]]]:
     """The chat messages (system and first user turn) of a set's prompts."""
-    from data.corpora import load_prompt_set
+    from eyas.data.corpora import load_prompt_set
 
     if spec.source == BUILTIN_PREDICTABLE:
         convs = builtin_predictable(spec.n, seed)
@@ -74,7 +74,7 @@ def load_prompt_ids(
 ) -> list[list[int]]:
     """Token-id prompts of a set under the target's chat template; prompts over ``max_prompt_tokens`` are left
     out (raises if none remain)."""
-    from data.chat import format_prompt
+    from eyas.data.chat import format_prompt
 
     out = [format_prompt(msgs, tokenizer) for msgs in prompt_messages(spec, seed)]
     if max_prompt_tokens is not None:

@@ -20,8 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from eval.acceptance import AcceptanceResult  # noqa: E402
-from eval.profile import StepProfile  # noqa: E402
+from eyas.eval.acceptance import AcceptanceResult  # noqa: E402
+from eyas.eval.profile import StepProfile  # noqa: E402
 
 
 def _grouped_bars(ax, sets: list[str], methods: list[str], value) -> None:

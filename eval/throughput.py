@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from serving.tree import TreeConfig
+from eyas.serving.tree import TreeConfig
 
 DrafterKind = Literal["none", "lookup", "model"]
 """How a method drafts: ``none`` (plain decoding), ``lookup`` (a search with no model: priced by the measured

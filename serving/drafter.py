@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.kv_cache import SlotCache
+from eyas.serving.kv_cache import SlotCache
 
 WEIGHTS_FILE = "drafter.safetensors"
 """Trainable weights of a drafter checkpoint (everything but the frozen target embedding)."""

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
+from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 
 log = logging.getLogger(__name__)
 
@@ -806,15 +806,15 @@ def round_trip_error(
 
 # -- entry point -------------------------------------------------------------------------------------------------
 def main() -> None:
-    """``python -m serving.export export.checkpoint=<dir> export.out_dir=<dir> [export.fmt=speculators] target=...``:
+    """``python -m eyas.serving.export export.checkpoint=<dir> export.out_dir=<dir> [export.fmt=speculators] target=...``:
     export a trainer checkpoint for SGLang / vLLM, then load it back and check it reproduces the checkpoint."""
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
-    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
     def _main(cfg: DictConfig) -> None:
-        from serving.drafter import load_trained_drafter
-        from serving.target import TargetConfig, load_target
+        from eyas.serving.drafter import load_trained_drafter
+        from eyas.serving.target import TargetConfig, load_target
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         e = OmegaConf.to_container(cfg.export, resolve=True)

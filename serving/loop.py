@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serving.kv_cache import SlotCache
-from serving.proposers import AcceptedTokens, DraftContext, Mode, Proposer
-from serving.target import Target, TargetOutput
-from serving.tree import DraftTree
-from serving.verify import SamplingConfig, sample, verify, warp_probs
+from eyas.serving.kv_cache import SlotCache
+from eyas.serving.proposers import AcceptedTokens, DraftContext, Mode, Proposer
+from eyas.serving.target import Target, TargetOutput
+from eyas.serving.tree import DraftTree
+from eyas.serving.verify import SamplingConfig, sample, verify, warp_probs
 
 log = logging.getLogger(__name__)
 

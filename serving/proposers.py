@@ -27,11 +27,11 @@ from typing import Literal, Protocol
 
 import torch
 
-from serving.drafter import Eagle3Drafter
-from serving.kv_cache import SlotCache
-from serving.target import TargetInfo
-from serving.tree import DraftTree, TreeConfig, build_dynamic_tree, chain_tree
-from serving.verify import SamplingConfig, VerifyResult, sample, warp_probs
+from eyas.serving.drafter import Eagle3Drafter
+from eyas.serving.kv_cache import SlotCache
+from eyas.serving.target import TargetInfo
+from eyas.serving.tree import DraftTree, TreeConfig, build_dynamic_tree, chain_tree
+from eyas.serving.verify import SamplingConfig, VerifyResult, sample, warp_probs
 
 Mode = Literal["chain", "tree"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from serving.kv_cache import SlotCache
+from eyas.serving.kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
     if cfg.revision and not Path(path).exists():
         kwargs["revision"] = cfg.revision
     if gguf_file is not None:
-        from serving.embedded import convert_gguf
+        from eyas.serving.embedded import convert_gguf
 
         path = str(convert_gguf(Path(path), gguf_file))
     try:
@@ -348,7 +348,7 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
 def _resolve_source(cfg: TargetConfig) -> tuple[str, str | None, str]:
     """(path for from_pretrained, gguf file name or None, display name)."""
     if cfg.path == EMBEDDED:
-        from serving.embedded import ensure_embedded
+        from eyas.serving.embedded import ensure_embedded
 
         d = ensure_embedded()
         return str(d), None, "embedded:SmolLM2-135M-Instruct"

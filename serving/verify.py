@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.tree import DraftTree
+from eyas.serving.tree import DraftTree
 
 
 @dataclass

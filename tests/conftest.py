@@ -35,8 +35,8 @@ class _TinyTokenizer:
 
 
 def make_tiny_target(arch: str = "llama", seed: int = 0, **kw):
-    from serving.target import target_from_model
-    from serving.tiny import tiny_model
+    from eyas.serving.target import target_from_model
+    from eyas.serving.tiny import tiny_model
 
     model = tiny_model(arch, seed=seed, **kw)
     return target_from_model(model, _TinyTokenizer(model.config.vocab_size), name=f"tiny-{arch}")
@@ -45,7 +45,7 @@ def make_tiny_target(arch: str = "llama", seed: int = 0, **kw):
 @pytest.fixture(scope="session")
 def embedded_target_fp32():
     """SmolLM2-135M-Instruct in fp32 (exactness tests)."""
-    from serving.target import TargetConfig, load_target
+    from eyas.serving.target import TargetConfig, load_target
 
     return load_target(TargetConfig(dtype="float32", device="cpu"))
 

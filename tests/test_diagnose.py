@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from eval.acceptance import PromptSetSpec
-from eval.diagnose import (
+from eyas.eval.acceptance import PromptSetSpec
+from eyas.eval.diagnose import (
     ContextPrompts,
     DiagnoseConfig,
     DiagnoseError,
@@ -25,7 +25,7 @@ from eval.diagnose import (
     random_drafter,
     write_report,
 )
-from eval.throughput import (
+from eyas.eval.throughput import (
     AcceptanceCurve,
     CostCurves,
     check_mismatch,
@@ -35,7 +35,7 @@ from eval.throughput import (
     price_step,
     sweep_chain,
 )
-from serving.proposers import PromptLookupProposer
+from eyas.serving.proposers import PromptLookupProposer
 
 from .conftest import make_tiny_target
 
@@ -129,7 +129,7 @@ def test_price_step_chain_and_tree_drafter_work():
     chain = price_step(costs, 500, [0, 0, 0, 0, 1.0], [0.5, 0, 0.5], "model")
     assert chain.draft_ms == pytest.approx(2 + 9)
     assert chain.tau == pytest.approx(2.0)
-    from serving.tree import TreeConfig
+    from eyas.serving.tree import TreeConfig
 
     tree = price_step(
         costs, 500, [0] * 10 + [1.0], [1.0], "model", TreeConfig(topk=3, depth=4, total_tokens=10)
@@ -244,8 +244,8 @@ def test_entry_point_config_and_plan(tmp_path, capsys):
 
 # -- drafters -----------------------------------------------------------------------------------------------------
 def test_drafters_load_from_exports_and_trainer_checkpoints(tmp_path):
-    from serving.export import ExportConfig, export
-    from train.checkpoint import save_weights
+    from eyas.serving.export import ExportConfig, export
+    from eyas.train.checkpoint import save_weights
 
     target = make_tiny_target("llama")
     d = random_drafter(target, 64, seed=3)
@@ -329,9 +329,9 @@ def test_injected_loop_delay_is_flagged_and_localised(tmp_path):
 def test_contexts_are_padded_with_real_chat_turns():
     from transformers import AutoTokenizer
 
-    from data.chat import format_prompt
-    from eval.diagnose import builtin_predictable, filler_pairs, pad_to_context
-    from serving.embedded import ensure_embedded
+    from eyas.data.chat import format_prompt
+    from eyas.eval.diagnose import builtin_predictable, filler_pairs, pad_to_context
+    from eyas.serving.embedded import ensure_embedded
 
     tok = AutoTokenizer.from_pretrained(str(ensure_embedded()))
     msgs = builtin_predictable(3)
@@ -348,9 +348,9 @@ def test_contexts_are_padded_with_real_chat_turns():
 
 
 def test_generations_are_priced_with_the_samples_that_bracket_them():
-    from eval.diagnose import Generation, Measurements
-    from eval.profile import StepProfile
-    from serving.loop import GenerationResult
+    from eyas.eval.diagnose import Generation, Measurements
+    from eyas.eval.profile import StepProfile
+    from eyas.serving.loop import GenerationResult
 
     def sample(length: int, ms: float) -> StepProfile:
         return StepProfile([length], {1: [ms], 2: [ms + 1]})

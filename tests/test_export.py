@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from serving.drafter import DrafterConfig, Eagle3Drafter
-from serving.export import (
+from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
+from eyas.serving.export import (
     ExportConfig,
     ExportError,
     TargetSpec,
@@ -20,8 +20,8 @@ from serving.export import (
     export,
     load_exported,
 )
-from serving.target import default_aux_layers
-from serving.tiny import tiny_config
+from eyas.serving.target import default_aux_layers
+from eyas.serving.tiny import tiny_config
 
 DRAFT_VOCAB = 48
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.extract import (
+from eyas.data.extract import (
     KILL_HOOK_ENV,
     ExtractConfig,
     _ensure_group_default,
@@ -23,8 +23,8 @@ from data.extract import (
     plan_microbatches,
     read_samples_jsonl,
 )
-from data.store import FeatureStore, Manifest, StoreConfigError, StoreMismatchError, StoreOptions
-from data.types import Sample
+from eyas.data.store import FeatureStore, Manifest, StoreConfigError, StoreMismatchError, StoreOptions
+from eyas.data.types import Sample
 
 from .conftest import make_tiny_target
 from .test_store import random_samples

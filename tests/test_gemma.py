@@ -73,8 +73,8 @@ def _assemble_locked(dl: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_target():
-    from serving.embedded import cache_dir
-    from serving.target import TargetConfig, load_target
+    from eyas.serving.embedded import cache_dir
+    from eyas.serving.target import TargetConfig, load_target
 
     env = os.environ.get("EYAS_GEMMA3_GGUF")
     path = Path(env) if env else _assemble(cache_dir() / "downloads")
@@ -96,7 +96,7 @@ def test_gemma3_270m_runs_through_the_target_runner(gemma_target):
     torch.testing.assert_close(out.logits, ref.logits.float(), rtol=0, atol=0)
 
     # Gemma scales its input embedding by sqrt(H); the drafter must see exactly what the target sees
-    from serving.drafter import DrafterConfig, Eagle3Drafter
+    from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
 
     cfg = DrafterConfig.from_target(t.model.config, list(t.aux_layers), 64, intermediate_size=32)
     assert cfg.embed_scale == pytest.approx(640**0.5)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data.extract import ExtractConfig, extract
-from data.loader import FeatureLoader, LoaderConfig, in_eval_split, plan_epoch, select_samples
-from data.online import online_loader
-from data.quant import dequantize_fp8
-from data.store import FeatureStore, StoreOptions
+from eyas.data.extract import ExtractConfig, extract
+from eyas.data.loader import FeatureLoader, LoaderConfig, in_eval_split, plan_epoch, select_samples
+from eyas.data.online import online_loader
+from eyas.data.quant import dequantize_fp8
+from eyas.data.store import FeatureStore, StoreOptions
 
 from .conftest import make_tiny_target
 from .test_store import random_samples

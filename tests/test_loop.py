@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.drafter import DrafterConfig, Eagle3Drafter
-from serving.loop import commit, generate, prefill, tree_forward
-from serving.proposers import (
+from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
+from eyas.serving.loop import commit, generate, prefill, tree_forward
+from eyas.serving.proposers import (
     DraftContext,
     DraftProposal,
     Eagle3Proposer,
@@ -17,8 +17,8 @@ from serving.proposers import (
     NoProposer,
     PromptLookupProposer,
 )
-from serving.tree import DraftTree, TreeConfig, chain_tree
-from serving.verify import SamplingConfig, warp_probs
+from eyas.serving.tree import DraftTree, TreeConfig, chain_tree
+from eyas.serving.verify import SamplingConfig, warp_probs
 
 from .conftest import make_tiny_target
 
@@ -256,7 +256,7 @@ def ttt_logits(
 def test_drafter_cache_path_equals_uncached_unroll(monkeypatch):
     """After a few steps of generation (accepted rows rebuilt from target aux, tree rows discarded), the
     proposer's chain (sampled q) and tree (every expanded node) distributions equal the uncached unroll."""
-    import serving.proposers as proposers_mod
+    import eyas.serving.proposers as proposers_mod
 
     target, prompt, ref = tiny_case("llama")
     drafter = make_drafter(target, seed=5, draft_vocab=200)  # random: every input and the attention matter

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from data.extract import ExtractConfig
-from data.store import StoreOptions
-from data.types import Sample
-from eval.pipeline import extraction_speed_check, store_sizes
+from eyas.data.extract import ExtractConfig
+from eyas.data.store import StoreOptions
+from eyas.data.types import Sample
+from eyas.pipeline import extraction_speed_check, store_sizes
 
 from .conftest import make_tiny_target
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from eval.plan import (
+from eyas.eval.plan import (
     PRESET_DIR,
     ContextTooLong,
     MissingConfigField,
@@ -18,7 +18,7 @@ from eval.plan import (
     model_shape,
     plan,
 )
-from serving.tiny import ARCHS, tiny_config, tiny_model
+from eyas.serving.tiny import ARCHS, tiny_config, tiny_model
 
 KIMI_KV = (512 + 64) * 61 * 2  # (kv_lora_rank + qk_rope_head_dim) × layers × bf16 bytes = 70272 B
 LLAMA3_KV = 2 * 8 * 128 * 32 * 2  # K and V × kv heads × head_dim × layers × bf16 bytes = 131072 B = 128 KiB
@@ -219,7 +219,7 @@ def test_every_preset_loads():
 
 
 def test_smollm2_preset_matches_the_embedded_model():
-    from serving.embedded import cache_dir
+    from eyas.serving.embedded import cache_dir
 
     local = cache_dir() / "models" / "smollm2-135m-instruct" / "config.json"
     if not local.exists():

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-import data.regenerate as regen_mod
-from data.chat import format_conversations, format_prompt
-from data.corpora import CorpusConfig, SourceConfig
-from data.prepare import PrepareConfig, prepare, read_conversations, read_samples
-from data.regenerate import (
+import eyas.data.regenerate as regen_mod
+from eyas.data.chat import format_conversations, format_prompt
+from eyas.data.corpora import CorpusConfig, SourceConfig
+from eyas.data.prepare import PrepareConfig, prepare, read_conversations, read_samples
+from eyas.data.regenerate import (
     RegenerateConfig,
     cut_at_stop,
     generate_batch,
@@ -19,7 +19,7 @@ from data.regenerate import (
     regenerate,
     sample_next,
 )
-from data.types import Conversation
+from eyas.data.types import Conversation
 from tests.tokenizers import make_chat_tokenizer
 
 QUESTIONS = [
@@ -35,8 +35,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def chat_target():
-    from serving.target import target_from_model
-    from serving.tiny import tiny_model
+    from eyas.serving.target import target_from_model
+    from eyas.serving.tiny import tiny_model
 
     tok = make_chat_tokenizer("chatml")
     model = tiny_model("llama", seed=0, vocab_size=len(tok))
@@ -252,8 +252,8 @@ def test_prepare_writes_samples_that_match_its_conversations(chat_target, tmp_pa
 def test_hydra_config_composes_into_a_prepare_config(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from data.corpora import CONF_CORPUS_DIR
-    from data.prepare import prepare_config_from_hydra
+    from eyas.data.corpora import CONF_CORPUS_DIR
+    from eyas.data.prepare import prepare_config_from_hydra
 
     with initialize_config_dir(config_dir=str(CONF_CORPUS_DIR.parent), version_base="1.3"):
         cfg = compose(
@@ -274,7 +274,7 @@ def test_hydra_config_composes_into_a_prepare_config(tmp_path):
 def test_time_budget_keeps_originals_and_a_later_run_continues(chat_target, tmp_path):
     """A run out of time leaves the rest with their original answers; the next run finishes the job, and the
     result equals one uninterrupted run."""
-    from data.regenerate import RegenerateConfig, read_regenerated, regenerate
+    from eyas.data.regenerate import RegenerateConfig, read_regenerated, regenerate
 
     convs = _convs(6)
     cfg = RegenerateConfig(max_new_tokens=6, batch_size=2)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.loop import generate
-from serving.proposers import Eagle3Proposer, PromptLookupProposer
-from serving.tree import TreeConfig
-from serving.verify import SamplingConfig, warp_probs
+from eyas.serving.loop import generate
+from eyas.serving.proposers import Eagle3Proposer, PromptLookupProposer
+from eyas.serving.tree import TreeConfig
+from eyas.serving.verify import SamplingConfig, warp_probs
 
 from .conftest import make_tiny_target
 from .test_loop import make_drafter, one_thread  # noqa: F401  (autouse fixture)

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from data.extract import ExtractConfig, codec_for, compute_features, extract
-from data.quant import (
+from eyas.data.extract import ExtractConfig, codec_for, compute_features, extract
+from eyas.data.quant import (
     FP8_MAX,
     bf16_round_up,
     dequantize_fp8,
@@ -19,7 +19,7 @@ from data.quant import (
     quantize_fp8,
     quantize_int4,
 )
-from data.store import (
+from eyas.data.store import (
     CorruptShardError,
     FeatureCodec,
     FeatureStore,
@@ -34,7 +34,7 @@ from data.store import (
     verify_store,
     write_safetensors,
 )
-from data.types import Sample
+from eyas.data.types import Sample
 
 from .conftest import make_tiny_target
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.tiny import ARCHS
+from eyas.serving.tiny import ARCHS
 
 from .conftest import make_tiny_target
 
@@ -48,8 +48,8 @@ def test_slot_cache_incremental_equals_full_forward(arch):
 
 
 def test_aux_layer_out_of_range_is_named():
-    from serving.target import target_from_model
-    from serving.tiny import tiny_model
+    from eyas.serving.target import target_from_model
+    from eyas.serving.tiny import tiny_model
 
     from .conftest import _TinyTokenizer
 
@@ -58,7 +58,7 @@ def test_aux_layer_out_of_range_is_named():
 
 
 def test_default_aux_layers_follow_sglang():
-    from serving.target import default_aux_layers
+    from eyas.serving.target import default_aux_layers
 
     assert default_aux_layers(30) == [1, 14, 26]
     assert default_aux_layers(61) == [1, 29, 57]  # DeepSeek-V3

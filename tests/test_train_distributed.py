@@ -1,4 +1,4 @@
-"""Real multi-process runs through ``accelerate launch -m train``: 2-process gloo DDP, DeepSpeed ZeRO-3 (2 processes)
+"""Real multi-process runs through ``accelerate launch -m eyas.train``: 2-process gloo DDP, DeepSpeed ZeRO-3 (2 processes)
 and ZeRO-2 (1 process) each reach the weights of the single-process run with the same global batch."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.checkpoint import latest_checkpoint, load_weights
+from eyas.train.checkpoint import latest_checkpoint, load_weights
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny llama + chat tokenizer saved as a model directory (what ``target.path`` takes)."""
-    from serving.tiny import tiny_model
+    from eyas.serving.tiny import tiny_model
 
     from .tokenizers import make_chat_tokenizer
 
@@ -96,8 +96,8 @@ def single(tiny_dir, tmp_path_factory):
     """The reference: one process, two micro-batches per step (in this process, through the Hydra configs)."""
     from hydra import compose, initialize_config_dir
 
-    from train.__main__ import configs
-    from train.setup import run
+    from eyas.train.__main__ import configs
+    from eyas.train.setup import run
 
     out = tmp_path_factory.mktemp("single")
     n = torch.get_num_threads()

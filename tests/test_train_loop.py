@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from train.checkpoint import CheckpointMismatchError, TrainerState, latest_checkpoint, load_weights
-from train.config import DraftModelConfig, SyntheticDataConfig, TrainConfig
-from train.loop import EmptyDataError, NonFiniteLossError, evaluate, fit
-from train.losses import DistillationModel, VocabMaps, build_teacher
-from train.setup import build_drafter
-from train.sources import ListSource
-from train.synthetic import synthetic_data
-from train.vocab import build_draft_vocab
+from eyas.train.checkpoint import CheckpointMismatchError, TrainerState, latest_checkpoint, load_weights
+from eyas.train.config import DraftModelConfig, SyntheticDataConfig, TrainConfig
+from eyas.train.loop import EmptyDataError, NonFiniteLossError, evaluate, fit
+from eyas.train.losses import DistillationModel, VocabMaps, build_teacher
+from eyas.train.setup import build_drafter
+from eyas.train.sources import ListSource
+from eyas.train.synthetic import synthetic_data
+from eyas.train.vocab import build_draft_vocab
 
 from .conftest import make_tiny_target
 
@@ -74,7 +74,7 @@ CHILD = """
 import sys, torch
 sys.path.insert(0, {repo!r})
 from tests.test_train_loop import SlowSource, tiny_cfg, tiny_setup
-from train.loop import fit
+from eyas.train.loop import fit
 torch.set_num_threads(1)  # after the imports: tests/conftest.py sets its own count
 target, drafter, data = tiny_setup()
 fit(tiny_cfg({out!r}), drafter, SlowSource(data.train, 0.3), data.eval, head=target.head, target_info=target.info)
@@ -225,9 +225,9 @@ def _samples():
 
 
 def test_store_data_for_its_target_and_refused_for_another(tmp_path):
-    from data.extract import ExtractConfig, extract
-    from data.store import StoreMismatchError
-    from train.setup import run_data
+    from eyas.data.extract import ExtractConfig, extract
+    from eyas.data.store import StoreMismatchError
+    from eyas.train.setup import run_data
 
     samples = _samples()
     target = make_tiny_target(seed=1)
@@ -256,7 +256,7 @@ def test_store_data_for_its_target_and_refused_for_another(tmp_path):
 def test_hydra_presets_build_typed_configs(preset):
     from hydra import compose, initialize_config_dir
 
-    from train.__main__ import configs
+    from eyas.train.__main__ import configs
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"train={preset}"])
@@ -265,7 +265,7 @@ def test_hydra_presets_build_typed_configs(preset):
     # the YAML spells out every option of every config dataclass (nothing silently left to a code default)
     from dataclasses import fields
 
-    from train.config import DataSourceConfig, WandbConfig
+    from eyas.train.config import DataSourceConfig, WandbConfig
 
     for cls, node in [
         (TrainConfig, cfg.train),
@@ -279,10 +279,10 @@ def test_hydra_presets_build_typed_configs(preset):
 
 @pytest.mark.parametrize("opts", [{}, {"aux_dtype": "float8_e4m3", "distribution": "topk", "topk": 8}])
 def test_store_fed_loss_equals_online_loss(tmp_path, opts):
-    from data.extract import ExtractConfig, extract
-    from data.loader import FeatureLoader, LoaderConfig
-    from data.online import online_loader
-    from data.store import FeatureStore, StoreOptions
+    from eyas.data.extract import ExtractConfig, extract
+    from eyas.data.loader import FeatureLoader, LoaderConfig
+    from eyas.data.online import online_loader
+    from eyas.data.store import FeatureStore, StoreOptions
 
     target = make_tiny_target(seed=2)
     samples = _samples()

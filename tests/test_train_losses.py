@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from data.types import Batch
-from serving.drafter import DrafterConfig, Eagle3Drafter
-from serving.target import TargetHead
-from train.losses import ChainCounts, DistillationModel, VocabMaps, build_teacher, soft_cross_entropy
-from train.metrics import simulated_acceptance
+from eyas.data.types import Batch
+from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
+from eyas.serving.target import TargetHead
+from eyas.train.losses import ChainCounts, DistillationModel, VocabMaps, build_teacher, soft_cross_entropy
+from eyas.train.metrics import simulated_acceptance
 
 V, H, K = 40, 16, 3
 DRAFT = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13, 17, 19, 23, 29, 31, 37])  # 14 of 40 target ids

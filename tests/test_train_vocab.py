@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data.types import Sample
-from train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
+from eyas.data.types import Sample
+from eyas.train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
 
 
 def test_counts_only_loss_masked_tokens_and_picks_the_most_frequent():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.tree import DraftTree, TreeConfig, build_dynamic_tree, chain_tree
-from serving.verify import (
+from eyas.serving.tree import DraftTree, TreeConfig, build_dynamic_tree, chain_tree
+from eyas.serving.verify import (
     verify_chain_greedy,
     verify_chain_sampling,
     verify_tree_greedy,

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from serving.tree import DraftTree, chain_tree
-from serving.verify import (
+from eyas.serving.tree import DraftTree, chain_tree
+from eyas.serving.verify import (
     SamplingConfig,
     residual,
     verify,

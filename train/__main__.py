@@ -1,12 +1,12 @@
-"""``python -m train target=smollm2 train=demo ...`` — train an EAGLE-3 drafter (Hydra entry point).
+"""``python -m eyas.train target=smollm2 train=demo ...`` — train an EAGLE-3 drafter (Hydra entry point).
 
-Single process: ``python -m train train.data.store_dir=runs/store``.
-Data parallel / DeepSpeed: ``accelerate launch --config_file conf/accelerate/<ddp|zero2|zero3>.yaml -m train ...``.
+Single process: ``python -m eyas.train train.data.store_dir=runs/store``.
+Data parallel / DeepSpeed: ``accelerate launch --config_file conf/accelerate/<ddp|zero2|zero3>.yaml -m eyas.train ...``.
 Multi-node (every node runs the same command; ``train.output_dir`` on a filesystem all nodes see)::
 
     accelerate launch --config_file conf/accelerate/zero2.yaml --num_machines N --machine_rank R \\
         --main_process_ip HOST0 --main_process_port 29500 --num_processes $((N * GPUS_PER_NODE)) \\
-        -m train target=hf target.path=Qwen/Qwen3-8B train.data.store_dir=/shared/store \\
+        -m eyas.train target=hf target.path=Qwen/Qwen3-8B train.data.store_dir=/shared/store \\
         train.output_dir=/shared/runs/qwen3-8b
 
 The DictConfig becomes typed dataclasses here; only dataclasses go inward (:func:`train.setup.run`).
@@ -19,8 +19,8 @@ import logging
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from serving.target import TargetConfig
-from train.config import DraftModelConfig, TrainConfig, from_dict
+from eyas.serving.target import TargetConfig
+from eyas.train.config import DraftModelConfig, TrainConfig, from_dict
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,9 @@ def configs(cfg: DictConfig) -> tuple[TargetConfig, DraftModelConfig, TrainConfi
     )
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from train.setup import run
+    from eyas.train.setup import run
 
     target_cfg, drafter_cfg, train_cfg = configs(cfg)
     result = run(target_cfg, drafter_cfg, train_cfg)

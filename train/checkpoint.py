@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from data.store import atomic_write_bytes
-from serving.drafter import WEIGHTS_FILE, save_drafter_weights
-from train.config import diff_identity
+from eyas.data.store import atomic_write_bytes
+from eyas.serving.drafter import WEIGHTS_FILE, save_drafter_weights
+from eyas.train.config import diff_identity
 
 log = logging.getLogger(__name__)
 

@@ -100,7 +100,7 @@ class DataSourceConfig:
     """Where training batches come from."""
 
     source: str = "store"
-    """``store`` (a feature store written by ``python -m data.extract``), ``online`` (the trainer runs the target
+    """``store`` (a feature store written by ``python -m eyas.data.extract``), ``online`` (the trainer runs the target
     over formatted samples itself) or ``synthetic`` (random tokens through the target; smoke tests, benchmarks)."""
     store_dir: str | None = None
     """Feature store directory (``source=store``)."""

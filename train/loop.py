@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from data.types import Batch
-from serving.drafter import Eagle3Drafter
-from serving.target import TargetHead
-from train.checkpoint import (
+from eyas.data.types import Batch
+from eyas.serving.drafter import Eagle3Drafter
+from eyas.serving.target import TargetHead
+from eyas.train.checkpoint import (
     TrainerState,
     checkpoints_root,
     latest_checkpoint,
@@ -47,8 +47,8 @@ from train.checkpoint import (
     save_checkpoint,
     trainable_weights,
 )
-from train.config import TrainConfig, config_hash
-from train.losses import (
+from eyas.train.config import TrainConfig, config_hash
+from eyas.train.losses import (
     ChainCounts,
     DistillationModel,
     VocabMaps,
@@ -56,8 +56,8 @@ from train.losses import (
     draft_head,
     supervised_positions,
 )
-from train.metrics import AcceptanceEstimate, MetricsLogger, simulated_acceptance
-from train.sources import BatchSource
+from eyas.train.metrics import AcceptanceEstimate, MetricsLogger, simulated_acceptance
+from eyas.train.sources import BatchSource
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def _check_data_target(data: Any, target_info: dict[str, Any] | None) -> None:
         manifest = manifest or getattr(getattr(data, attr, None), "manifest", None)
     if manifest is None:
         return
-    from data.store import check_target
+    from eyas.data.store import check_target
 
     check_target(manifest.target, target_info, where=f"the training data ({type(data).__name__})")
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from data.types import Batch
-from serving.drafter import Eagle3Drafter, TTTOutput
-from serving.target import TargetHead
+from eyas.data.types import Batch
+from eyas.serving.drafter import Eagle3Drafter, TTTOutput
+from eyas.serving.target import TargetHead
 
 _CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the full-vocabulary teacher head (256 MiB)
 

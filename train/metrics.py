@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from train.config import WandbConfig
-from train.losses import ChainCounts
+from eyas.train.config import WandbConfig
+from eyas.train.losses import ChainCounts
 
 log = logging.getLogger(__name__)
 

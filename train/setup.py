@@ -1,6 +1,6 @@
 """Setup for a training run: the drafter for a target, its draft vocabulary, and the data sources.
 
-``python -m train`` and the pipeline go setup -> :func:`train.loop.fit`; tests call these pieces directly.
+``python -m eyas.train`` and the pipeline go setup -> :func:`train.loop.fit`; tests call these pieces directly.
 
 Design decisions:
 - The drafter's sizes, rope and positions come from the target (``DrafterConfig.from_target``); its embedding
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from serving.drafter import DrafterConfig, Eagle3Drafter
-from train.config import DraftModelConfig, TrainConfig
-from train.sources import BatchSource, ListSource
-from train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
+from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
+from eyas.train.config import DraftModelConfig, TrainConfig
+from eyas.train.sources import BatchSource, ListSource
+from eyas.train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +89,16 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
     src = cfg.data.source
     if src == "synthetic":
         return synthetic_run_data(target, cfg, rank, world)
-    from data.loader import FeatureLoader, LoaderConfig
+    from eyas.data.loader import FeatureLoader, LoaderConfig
 
     ef = cfg.data.eval_fraction
     lc = dict(cfg.data.loader)
     if src == "store":
-        from data.store import FeatureStore
+        from eyas.data.store import FeatureStore
 
         if not cfg.data.store_dir:
             raise ValueError(
-                "train.data.source=store needs train.data.store_dir (a store from `python -m data.extract`)"
+                "train.data.source=store needs train.data.store_dir (a store from `python -m eyas.data.extract`)"
             )
         store = FeatureStore(cfg.data.store_dir, expect_target=target.info)
 
@@ -116,9 +116,9 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
             "shards": [sh.sha256 for sh in store.manifest.shards],
         }
     else:
-        from data.extract import inputs_fingerprint, read_samples_jsonl
-        from data.online import online_loader
-        from data.store import StoreOptions
+        from eyas.data.extract import inputs_fingerprint, read_samples_jsonl
+        from eyas.data.online import online_loader
+        from eyas.data.store import StoreOptions
 
         if not cfg.data.samples:
             raise ValueError(
@@ -167,7 +167,7 @@ def _token_rows(source: Any, indices: Any):
 
 
 def synthetic_run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
-    from train.synthetic import synthetic_data
+    from eyas.train.synthetic import synthetic_data
 
     s = cfg.data.synthetic
     d = synthetic_data(target, s, rank=rank, world=world)
@@ -200,8 +200,8 @@ def run(target_cfg, drafter_cfg: DraftModelConfig, cfg: TrainConfig):
     """Load the target, build the data, the draft vocabulary and the drafter, and train (every process)."""
     from dataclasses import replace
 
-    from serving.target import load_target
-    from train.loop import fit, make_accelerator
+    from eyas.serving.target import load_target
+    from eyas.train.loop import fit, make_accelerator
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from data.types import Batch
+from eyas.data.types import Batch
 
 
 @runtime_checkable

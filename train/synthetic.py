@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from data.types import Batch
-from train.config import SyntheticDataConfig
-from train.sources import SampleFeatures, collate
+from eyas.data.types import Batch
+from eyas.train.config import SyntheticDataConfig
+from eyas.train.sources import SampleFeatures, collate
 
 
 @torch.no_grad()
@@ -92,7 +92,7 @@ class SyntheticData:
 def synthetic_data(target, cfg: SyntheticDataConfig, rank: int = 0, world: int = 1) -> SyntheticData:
     """This process's share (samples ``rank, rank + world, ...``) of ``cfg.num_samples`` random training sequences
     and ``cfg.eval_samples`` held-out ones, as batches; the sets depend only on ``cfg``, not on ``world``."""
-    from train.vocab import count_loss_tokens
+    from eyas.train.vocab import count_loss_tokens
 
     v = target.vocab_size
     seqs, masks = random_sequences(cfg.num_samples, cfg.seq_len, v, cfg.loss_fraction, cfg.seed * 7919 + 1)

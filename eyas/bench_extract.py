@@ -1,6 +1,6 @@
 """Benchmark: feature extraction speed against a bare target forward over the same tokens, and store size.
 
-``python -m eval.bench_extract [--samples 64 --min-len 128 --max-len 512 --max-batch-tokens 4096 ...]``
+``python -m eyas.bench_extract [--samples 64 --min-len 128 --max-len 512 --max-batch-tokens 4096 ...]``
 
 Measured on the same length-sorted, padded micro-batches the extraction uses:
 - ``bare CausalLM``: ``target.model(input_ids)``, the plain transformers forward including logits at every
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from data.extract import ExtractConfig, extract, plan_microbatches
-from data.store import StoreOptions, bytes_per_token
-from data.types import Sample
+from eyas.data.extract import ExtractConfig, extract, plan_microbatches
+from eyas.data.store import StoreOptions, bytes_per_token
+from eyas.data.types import Sample
 
 OPTIONS = {
     "bf16+hidden": StoreOptions(),
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from serving.target import TargetConfig, load_target
+    from eyas.serving.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(path=args.target, dtype=args.dtype, device=args.device))
     info = target.info
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         for k, fn in paths.items():
             best[k] = min(best[k], timed(fn, target.device))
 
-    cmd = "python -m eval.bench_extract " + " ".join(
+    cmd = "python -m eyas.bench_extract " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
     print(f"# {cmd}")

@@ -1,4 +1,4 @@
-"""Drafter-training throughput and peak memory on this machine: ``python -m eval.bench_train``.
+"""Drafter-training throughput and peak memory on this machine: ``python -m eyas.bench_train``.
 
 What it measures: the real training step of :func:`train.loop.fit` (teacher from the stored final hidden state
 through the frozen target head, TTT unroll, loss, backward, AdamW), for the embedded default target
@@ -39,10 +39,10 @@ MODES = {
 
 def make_bundle(path: Path, samples: int, seq_len: int, loss_fraction: float) -> None:
     """Run the embedded target over random sequences and save everything the children need."""
-    from serving.drafter import DrafterConfig
-    from serving.target import TargetConfig, load_target
-    from train.synthetic import batches_from_sequences, random_sequences
-    from train.vocab import count_loss_tokens
+    from eyas.serving.drafter import DrafterConfig
+    from eyas.serving.target import TargetConfig, load_target
+    from eyas.train.synthetic import batches_from_sequences, random_sequences
+    from eyas.train.vocab import count_loss_tokens
 
     target = load_target(TargetConfig(device="cpu"))
     seqs, masks = random_sequences(samples, seq_len, target.vocab_size, loss_fraction, seed=0)
@@ -95,12 +95,12 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     """One configuration: build the drafter from the bundle, train, report tokens/s and memory."""
     import logging
 
-    from serving.drafter import DrafterConfig, Eagle3Drafter
-    from serving.target import TargetHead
-    from train.config import TrainConfig
-    from train.loop import fit
-    from train.sources import ListSource
-    from train.vocab import build_draft_vocab
+    from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
+    from eyas.serving.target import TargetHead
+    from eyas.train.config import TrainConfig
+    from eyas.train.loop import fit
+    from eyas.train.sources import ListSource
+    from eyas.train.vocab import build_draft_vocab
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
                 cmd = [
                     sys.executable,
                     "-m",
-                    "eval.bench_train",
+                    "eyas.bench_train",
                     "--child",
                     str(bundle),
                     "--vocab",

@@ -1,6 +1,6 @@
 """The whole pipeline on one config: corpus → regeneration → feature store → training → export → evaluation.
 
-``python -m eval.pipeline`` (the README's main command; ``--config-name bench`` for the benchmark budget).
+``python -m eyas.pipeline`` (the README's main command; ``--config-name bench`` for the benchmark budget).
 
 Design decisions:
 - Each stage writes under ``work_dir/<stage>/<hash>``, the hash taken over everything that shapes its output
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
-from eval.profile import ProfileConfig, StepProfile, profile_steps
-from serving.target import Target, TargetConfig
-from serving.tree import TreeConfig
-from serving.verify import SamplingConfig
+from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
+from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
+from eyas.serving.target import Target, TargetConfig
+from eyas.serving.tree import TreeConfig
+from eyas.serving.verify import SamplingConfig
 
 if TYPE_CHECKING:
-    from data.store import BytesPerToken
+    from eyas.data.store import BytesPerToken
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class EvalStageConfig:
     threads: int | None = None
     """torch CPU threads during evaluation (None: leave as is)."""
     checkpoint: str | None = None
-    """``python -m eval``: the exported drafter directory (SGLang/vLLM format) to evaluate; the pipeline sets its
+    """``python -m eyas.eval``: the exported drafter directory (SGLang/vLLM format) to evaluate; the pipeline sets its
     own."""
 
     def __post_init__(self) -> None:
@@ -113,7 +113,7 @@ class PipelineResult:
 
 # -- stages ------------------------------------------------------------------------------------------------------
 def stage_prepare(pcfg, target: Target) -> tuple[Any, StageRecord]:
-    from data.prepare import format_summary, prepare
+    from eyas.data.prepare import format_summary, prepare
 
     t0 = time.perf_counter()
     res = prepare(pcfg, target if pcfg.regenerate else None, tokenizer=target.tokenizer)
@@ -141,8 +141,8 @@ def extraction_speed_check(
     import tempfile
     from dataclasses import replace
 
-    from data.extract import extract
-    from eval.bench_extract import bare_forward, timed
+    from eyas.bench_extract import bare_forward, timed
+    from eyas.data.extract import extract
 
     sub, n = [], 0
     for s in samples:
@@ -175,8 +175,8 @@ def extraction_speed_check(
 
 def store_sizes(target: Target) -> dict[str, BytesPerToken]:
     """Bytes per token of every storage option for this target."""
-    from data.store import bytes_per_token
-    from eval.bench_extract import OPTIONS
+    from eyas.bench_extract import OPTIONS
+    from eyas.data.store import bytes_per_token
 
     info = target.info
     return {
@@ -188,7 +188,7 @@ def store_sizes(target: Target) -> dict[str, BytesPerToken]:
 def stage_extract(
     prep, ecfg, target: Target, work_dir: Path, speed_check_tokens: int = 0
 ) -> tuple[Path, StageRecord]:
-    from data.extract import extract, inputs_fingerprint, read_samples_jsonl
+    from eyas.data.extract import extract, inputs_fingerprint, read_samples_jsonl
 
     t0 = time.perf_counter()
     samples = list(read_samples_jsonl(prep.samples_path("train")))
@@ -243,9 +243,9 @@ def stage_extract(
 def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path):
     from dataclasses import replace
 
-    from data.store import FeatureStore
-    from train.loop import fit
-    from train.setup import build_drafter, draft_vocab_for, run_data
+    from eyas.data.store import FeatureStore
+    from eyas.train.loop import fit
+    from eyas.train.setup import build_drafter, draft_vocab_for, run_data
 
     t0 = time.perf_counter()
     store = FeatureStore(store_dir, expect_target=target.info)
@@ -289,8 +289,8 @@ def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path):
 
 
 def stage_export(train_res, target: Target, work_dir: Path) -> tuple[Path, StageRecord]:
-    from serving.drafter import load_trained_drafter
-    from serving.export import ExportConfig, export, round_trip_error
+    from eyas.serving.drafter import load_trained_drafter
+    from eyas.serving.export import ExportConfig, export, round_trip_error
 
     t0 = time.perf_counter()
     src = Path(train_res.best_dir or train_res.last_checkpoint)
@@ -314,9 +314,9 @@ def stage_eval(
     extra: dict[str, Any],
     command: str,
 ) -> tuple[AcceptanceResult, StepProfile | None, Path, StageRecord]:
-    from eval.prompts import load_prompt_ids
-    from eval.report import print_table, write_report
-    from serving.export import load_exported
+    from eyas.eval.prompts import load_prompt_ids
+    from eyas.eval.report import print_table, write_report
+    from eyas.serving.export import load_exported
 
     t0 = time.perf_counter()
     out = (
@@ -368,10 +368,10 @@ def run_pipeline(cfg) -> PipelineResult:
     """Run every stage for the Hydra config ``cfg`` (see the module docstring)."""
     from omegaconf import OmegaConf
 
-    from data.extract import ExtractConfig
-    from data.prepare import prepare_config_from_hydra
-    from serving.target import load_target
-    from train.config import DraftModelConfig, TrainConfig, from_dict
+    from eyas.data.extract import ExtractConfig
+    from eyas.data.prepare import prepare_config_from_hydra
+    from eyas.serving.target import load_target
+    from eyas.train.config import DraftModelConfig, TrainConfig, from_dict
 
     os.environ.setdefault("WANDB_SILENT", "true")  # the pipeline prints its own summary
     d = OmegaConf.to_container(cfg, resolve=True)
@@ -386,7 +386,7 @@ def run_pipeline(cfg) -> PipelineResult:
     threads = d.get("threads")
     if threads:
         torch.set_num_threads(int(threads))
-    command = "python -m eval.pipeline " + " ".join(sys.argv[1:])
+    command = "python -m eyas.pipeline " + " ".join(sys.argv[1:])
 
     t0 = time.perf_counter()
     target = load_target(TargetConfig(**d["target"]))
@@ -426,7 +426,7 @@ def run_pipeline(cfg) -> PipelineResult:
 def main() -> None:
     import hydra
 
-    @hydra.main(config_path="../conf", config_name="demo", version_base="1.3")
+    @hydra.main(config_path="pkg://eyas.conf", config_name="demo", version_base="1.3")
     def _main(cfg) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         run_pipeline(cfg)

@@ -1,7 +1,7 @@
 """``eyas <command> [hydra overrides]``: one console script over the stage entry points.
 
 Each command runs the module a user could also run with ``python -m`` (so multi-node training stays the ordinary
-``accelerate launch ... -m train ...``).
+``accelerate launch ... -m eyas.train ...``).
 """
 
 from __future__ import annotations
@@ -10,21 +10,27 @@ import runpy
 import sys
 
 COMMANDS = {
-    "demo": ("eval.pipeline", "the whole pipeline on the embedded default target; prints the result table"),
-    "bench": ("eval.bench", "the benchmark: larger data budget, BENCH.md with the headline numbers"),
-    "prepare": ("data.prepare", "corpus mixture -> (regeneration) -> chat-formatted samples with loss masks"),
-    "extract": ("data.extract", "run the target over samples and write the feature store"),
-    "train": ("train", "train an EAGLE-3 drafter (accelerate launch ... -m train for several processes)"),
+    "demo": ("eyas.pipeline", "the whole pipeline on the embedded default target; prints the result table"),
+    "bench": ("eyas.bench", "the benchmark: larger data budget, BENCH.md with the headline numbers"),
+    "prepare": (
+        "eyas.data.prepare",
+        "corpus mixture -> (regeneration) -> chat-formatted samples with loss masks",
+    ),
+    "extract": ("eyas.data.extract", "run the target over samples and write the feature store"),
+    "train": (
+        "eyas.train",
+        "train an EAGLE-3 drafter (accelerate launch ... -m eyas.train for several processes)",
+    ),
     "export": (
-        "serving.export",
+        "eyas.serving.export",
         "write a trainer checkpoint in the SGLang/vLLM format, with a round-trip check",
     ),
-    "eval": ("eval", "acceptance evaluation of an exported drafter"),
+    "eval": ("eyas.eval", "acceptance evaluation of an exported drafter"),
     "diagnose": (
-        "eval.diagnose",
+        "eyas.eval.diagnose",
         "explain tokens/s = tau / step time; recommend K; `diagnose plan` for memory",
     ),
-    "plan": ("eval.plan", "KV-cache and context-length arithmetic from a model config"),
+    "plan": ("eyas.eval.plan", "KV-cache and context-length arithmetic from a model config"),
 }
 
 

@@ -1,4 +1,4 @@
-"""The benchmark: ``make bench`` = ``python -m eval.bench`` (Hydra, ``conf/bench.yaml``).
+"""The benchmark: ``make bench`` = ``python -m eyas.bench`` (Hydra, ``conf/bench.yaml``).
 
 What it does, on this machine, and writes to ``BENCH.md`` (with the commands that reproduce every number):
 1. the whole pipeline with the benchmark budget (``conf/bench.yaml``): a few thousand ShareGPT + reasoning
@@ -6,8 +6,8 @@ What it does, on this machine, and writes to ``BENCH.md`` (with the commands tha
    the next run continues; the rest keep their original answers and the report says how many of each), the
    feature store, training, export, and evaluation: τ per prompt set for chain K and for a tree, prompt-lookup
    τ, and wall-clock speedup over plain decoding in the same run;
-2. drafter-training throughput (``eval.bench_train``: 512-token samples, TTT 7, 2 threads) and peak memory;
-3. extraction speed against a bare target forward (``eval.bench_extract``), with store bytes per token;
+2. drafter-training throughput (``eyas.bench_train``: 512-token samples, TTT 7, 2 threads) and peak memory;
+3. extraction speed against a bare target forward (``eyas.bench_extract``), with store bytes per token;
 4. optionally (``bench.ablation=true``) the same training on a compact store (int4 aux + top-k), to compare τ
    at a third of the bytes per token.
 
@@ -50,12 +50,12 @@ def _ablation(cfg: DictConfig, pipe, work_dir: Path) -> dict[str, Any] | None:
     """Train the same recipe on a compact store and evaluate it on the same prompts."""
     from omegaconf import OmegaConf as OC
 
-    from data.extract import ExtractConfig
-    from data.prepare import prepare, prepare_config_from_hydra
-    from data.store import StoreOptions
-    from eval.pipeline import EvalStageConfig, stage_eval, stage_export, stage_extract, stage_train
-    from serving.target import TargetConfig, load_target
-    from train.config import DraftModelConfig, TrainConfig, from_dict
+    from eyas.data.extract import ExtractConfig
+    from eyas.data.prepare import prepare, prepare_config_from_hydra
+    from eyas.data.store import StoreOptions
+    from eyas.pipeline import EvalStageConfig, stage_eval, stage_export, stage_extract, stage_train
+    from eyas.serving.target import TargetConfig, load_target
+    from eyas.train.config import DraftModelConfig, TrainConfig, from_dict
 
     d = OC.to_container(cfg, resolve=True)
     ab = d["bench"]["ablation_store"]
@@ -86,7 +86,7 @@ def _ablation(cfg: DictConfig, pipe, work_dir: Path) -> dict[str, Any] | None:
 def write_bench_md(
     path: Path, pipe, train_bench, extract_bench, ablation, command: str, seconds: float
 ) -> None:
-    from eval.report import GREEDY_MATCH_NOTE, markdown_table
+    from eyas.eval.report import GREEDY_MATCH_NOTE, markdown_table
 
     facts = {f"{s.name}.{k}": v for s in pipe.stages for k, v in s.facts.items()}
     acc = pipe.acceptance
@@ -123,7 +123,7 @@ def write_bench_md(
     lines.append("")
     if train_bench:
         lines += [
-            "## Drafter-training throughput (`python -m eval.bench_train`)",
+            "## Drafter-training throughput (`python -m eyas.bench_train`)",
             "",
             "| draft vocab | precision | threads | tokens/s | peak RSS (MiB) | above baseline (MiB) | load |",
             "|---:|---|---:|---:|---:|---:|---:|",
@@ -161,20 +161,20 @@ def write_bench_md(
     path.write_text("\n".join(lines))
 
 
-@hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
+@hydra.main(config_path="pkg://eyas.conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from eval.pipeline import run_pipeline
+    from eyas.pipeline import run_pipeline
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    command = "python -m eval.bench " + " ".join(sys.argv[1:])
+    command = "python -m eyas.bench " + " ".join(sys.argv[1:])
     b = OmegaConf.to_container(cfg.bench, resolve=True)
     work_dir = Path(cfg.work_dir)
     pipe = run_pipeline(cfg)
     out_dir = Path(pipe.report).parent
-    train_bench = _run_json(["eval.bench_train", *b["train_bench_args"]], out_dir / "bench_train.json")
+    train_bench = _run_json(["eyas.bench_train", *b["train_bench_args"]], out_dir / "bench_train.json")
     extract_bench = _run_json(
-        ["eval.bench_extract", *b["extract_bench_args"]], out_dir / "bench_extract.json"
+        ["eyas.bench_extract", *b["extract_bench_args"]], out_dir / "bench_extract.json"
     )
     ablation = _ablation(cfg, pipe, work_dir) if b["ablation"] else None
     path = Path(b["out"])
