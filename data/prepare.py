@@ -27,14 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from eyas.data.chat import FormatStats, format_conversations
-from eyas.data.corpora import (
-    SPLITS,
-    CorpusConfig,
-    CorpusSplits,
-    corpus_config_from_dict,
-    iter_jsonl,
-    load_corpus,
-)
+from eyas.data.corpora.config import SPLITS, CorpusConfig, corpus_config_from_dict
+from eyas.data.corpora.mixtures import CorpusSplits, load_corpus
+from eyas.data.corpora.readers import iter_jsonl
 from eyas.data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
 from eyas.data.store import atomic_write_bytes
 from eyas.data.types import Conversation, Sample

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from eyas.data.chat import format_prompt, split_reasoning
-from eyas.data.corpora import hash01
+from eyas.data.corpora.mixtures import hash01
 from eyas.data.types import Conversation
 
 log = logging.getLogger(__name__)
@@ -485,6 +485,6 @@ def _regenerate_batch(
 
 def read_regenerated(path: str | os.PathLike) -> list[Conversation]:
     """The conversations of a regeneration JSONL."""
-    from eyas.data.corpora import iter_jsonl
+    from eyas.data.corpora.readers import iter_jsonl
 
     return [Conversation.from_record(rec) for _, rec in iter_jsonl(path)]

@@ -362,7 +362,8 @@ class ContextPrompts:
 
 def filler_pairs(corpus: str, limit: int = 64) -> list[list[dict[str, str]]]:
     """(user, assistant) turn pairs from the first conversations of a corpus, to pad contexts with."""
-    from eyas.data.corpora import load_corpus_config, read_source
+    from eyas.data.corpora.config import load_corpus_config
+    from eyas.data.corpora.sources import read_source
 
     pairs: list[list[dict[str, str]]] = []
     for src in load_corpus_config(corpus).sources:

@@ -20,7 +20,7 @@ BUILTIN_PREDICTABLE = "builtin:predictable"
 
 def builtin_predictable(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
     """Prompts whose answers are fixed by the prompt or a trivial rule (see the module docstring)."""
-    from eyas.data.corpora import load_prompt_set
+    from eyas.data.corpora.prompt_sets import load_prompt_set
 
     rng = random.Random(seed)
     code = [c.meta.get("code_prompt", "") for c in load_prompt_set("humaneval", n=max(n, 4), seed=seed)]
@@ -48,7 +48,7 @@ def builtin_predictable(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
 
 def prompt_messages(spec: PromptSetSpec, seed: int = 0) -> list[list[dict[str, Any]]]:
     """The chat messages (system and first user turn) of a set's prompts."""
-    from eyas.data.corpora import load_prompt_set
+    from eyas.data.corpora.prompt_sets import load_prompt_set
 
     if spec.source == BUILTIN_PREDICTABLE:
         convs = builtin_predictable(spec.n, seed)

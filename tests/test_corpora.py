@@ -10,24 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data.corpora import (
+from eyas.data.corpora.config import (
     REASONING_GYM_SEED_STRIDE,
     SPLITS,
     CorpusConfig,
     CorpusError,
-    JsonArrayStream,
     SourceConfig,
-    SourceStats,
     corpus_config_from_dict,
-    hash01,
     known_corpora,
-    load_corpus,
     load_corpus_config,
-    load_prompt_set,
-    read_source,
-    reasoning_gym_seed,
-    split_of,
 )
+from eyas.data.corpora.mixtures import hash01, load_corpus, split_of
+from eyas.data.corpora.prompt_sets import load_prompt_set
+from eyas.data.corpora.readers import JsonArrayStream, SourceStats
+from eyas.data.corpora.sources import read_source, reasoning_gym_seed
 
 
 def _records(n: int, prefix: str = "r") -> list[dict]:

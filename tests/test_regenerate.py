@@ -9,7 +9,7 @@ import torch
 
 import eyas.data.regenerate as regen_mod
 from eyas.data.chat import format_conversations, format_prompt
-from eyas.data.corpora import CorpusConfig, SourceConfig
+from eyas.data.corpora.config import CorpusConfig, SourceConfig
 from eyas.data.prepare import PrepareConfig, prepare, read_conversations, read_samples
 from eyas.data.regenerate import (
     RegenerateConfig,
@@ -252,7 +252,7 @@ def test_prepare_writes_samples_that_match_its_conversations(chat_target, tmp_pa
 def test_hydra_config_composes_into_a_prepare_config(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from eyas.data.corpora import CONF_CORPUS_DIR
+    from eyas.data.corpora.config import CONF_CORPUS_DIR
     from eyas.data.prepare import prepare_config_from_hydra
 
     with initialize_config_dir(config_dir=str(CONF_CORPUS_DIR.parent), version_base="1.3"):
