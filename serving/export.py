@@ -49,11 +49,11 @@ import torch
 from torch import nn
 
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
+from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("sglang", "speculators")
-SGLANG_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
 EYAS_SIDECAR = "eyas_export.json"
 WEIGHTS = "model.safetensors"
@@ -618,15 +618,14 @@ def _write_atomically(
 
 # -- load -------------------------------------------------------------------------------------------------------
 def detect_format(config: dict[str, Any], path: Path) -> str:
-    if "speculators_model_type" in config:
-        if config["speculators_model_type"] != "eagle3":
-            raise ExportError(
-                f"{path}: speculators model type {config['speculators_model_type']!r} is not eagle3"
-            )
-        return "speculators"
-    if SGLANG_ARCH in (config.get("architectures") or []):
-        return "sglang"
-    raise ExportError(f"{path}: neither a speculators eagle3 config nor architectures [{SGLANG_ARCH!r}]")
+    """``sglang`` or ``speculators`` (:func:`serving.drafters.export_format`), else an error naming ``path``."""
+    try:
+        fmt = export_format(config)
+    except DrafterLoadError as e:
+        raise ExportError(f"{path}: {e}") from e
+    if fmt is None:
+        raise ExportError(f"{path}: neither a speculators eagle3 config nor architectures [{SGLANG_ARCH!r}]")
+    return fmt
 
 
 def _drafter_config_from(

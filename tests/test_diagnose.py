@@ -11,20 +11,12 @@ import pytest
 import torch
 
 from eyas.eval.acceptance import PromptSetSpec
-from eyas.eval.diagnose import (
-    ContextPrompts,
-    DiagnoseConfig,
-    DiagnoseError,
-    check_contexts,
-    diagnose,
-    find_drafter,
-    load_config,
-    load_drafter,
-    main,
-    prompts_from_ids,
-    random_drafter,
-    write_report,
-)
+from eyas.eval.diagnose.__main__ import load_config, main
+from eyas.eval.diagnose.config import DiagnoseConfig, DiagnoseError
+from eyas.eval.diagnose.contexts import ContextPrompts, prompts_from_ids
+from eyas.eval.diagnose.measure import check_contexts
+from eyas.eval.diagnose.report import write_report
+from eyas.eval.diagnose.run import diagnose
 from eyas.eval.throughput import (
     AcceptanceCurve,
     CostCurves,
@@ -35,6 +27,7 @@ from eyas.eval.throughput import (
     price_step,
     sweep_chain,
 )
+from eyas.serving.drafters import DrafterLoadError, find_drafter, load_drafter, random_drafter
 from eyas.serving.proposers import PromptLookupProposer
 
 from .conftest import make_tiny_target
@@ -250,7 +243,7 @@ def test_drafters_load_from_exports_and_trainer_checkpoints(tmp_path):
     target = make_tiny_target("llama")
     d = random_drafter(target, 64, seed=3)
     assert find_drafter(tmp_path / "runs") is None
-    with pytest.raises(DiagnoseError, match="no exported or trained drafter"):
+    with pytest.raises(DrafterLoadError, match="no exported or trained drafter"):
         load_drafter("auto", target, runs_dir=tmp_path / "runs")
     export(d, target, tmp_path / "runs" / "export", "sglang", config=ExportConfig(dtype="float32"))
     best = tmp_path / "runs" / "train" / "best"  # what the trainer's save_best writes
@@ -261,7 +254,7 @@ def test_drafters_load_from_exports_and_trainer_checkpoints(tmp_path):
         assert loaded.trained
         for name, value in d.trainable_state_dict().items():
             assert torch.equal(loaded.drafter.state_dict()[name], value), (spec, name)
-    with pytest.raises(DiagnoseError, match="neither random, auto nor a directory"):
+    with pytest.raises(DrafterLoadError, match="neither random, auto nor a directory"):
         load_drafter(str(tmp_path / "missing"), target)
 
 
@@ -330,7 +323,8 @@ def test_contexts_are_padded_with_real_chat_turns():
     from transformers import AutoTokenizer
 
     from eyas.data.chat import format_prompt
-    from eyas.eval.diagnose import builtin_predictable, filler_pairs, pad_to_context
+    from eyas.eval.diagnose.contexts import filler_pairs, pad_to_context
+    from eyas.eval.prompts import builtin_predictable
     from eyas.serving.embedded import ensure_embedded
 
     tok = AutoTokenizer.from_pretrained(str(ensure_embedded()))
@@ -348,7 +342,7 @@ def test_contexts_are_padded_with_real_chat_turns():
 
 
 def test_generations_are_priced_with_the_samples_that_bracket_them():
-    from eyas.eval.diagnose import Generation, Measurements
+    from eyas.eval.diagnose.measure import Generation, Measurements
     from eyas.eval.profile import StepProfile
     from eyas.serving.loop import GenerationResult
 
