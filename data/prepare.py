@@ -18,7 +18,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,12 +25,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eyas.common import atomic_write_json, atomic_write_jsonl, json_hash
 from eyas.data.chat import FormatStats, format_conversations
 from eyas.data.corpora.config import SPLITS, CorpusConfig, corpus_config_from_dict
 from eyas.data.corpora.mixtures import CorpusSplits, load_corpus
 from eyas.data.corpora.readers import iter_jsonl
 from eyas.data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
-from eyas.data.store import atomic_write_bytes
 from eyas.data.types import Conversation, Sample
 
 log = logging.getLogger(__name__)
@@ -110,20 +109,6 @@ class PrepareResult:
 
 
 # -- io ----------------------------------------------------------------------------------------------------------
-def _write_jsonl_atomic(path: Path, records) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, json.dumps(obj, indent=2, ensure_ascii=False, default=str).encode())
-
-
 def sample_record(s: Sample) -> dict[str, Any]:
     return {
         "id": s.id,
@@ -163,7 +148,7 @@ def config_hash(cfg: PrepareConfig, tokenizer_fingerprint: str, target_name: str
         "tokenizer": tokenizer_fingerprint,
         "target": target_name if cfg.regenerate else None,
     }
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json_hash(key)
 
 
 def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult:
@@ -197,7 +182,7 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
 
     corpus: CorpusSplits = load_corpus(cfg.corpus)
     corpus_stats = [s.to_dict() for s in corpus.stats]
-    _write_json_atomic(out / "corpus.json", {"config": asdict(cfg.corpus), "stats": corpus_stats})
+    atomic_write_json(out / "corpus.json", {"config": asdict(cfg.corpus), "stats": corpus_stats})
     splits: dict[str, SplitResult] = {}
     for split in SPLITS:
         convs = corpus.train if split == "train" else corpus.eval
@@ -221,15 +206,15 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
                 convs = [by_id.get(c.id, c) for c in convs]
             else:
                 convs = [by_id[c.id] for c in convs if c.id in by_id]  # corpus order, not generation order
-            _write_json_atomic(regen_path, regen_res.to_dict())
-            _write_jsonl_atomic(conv_path, (c.to_record() for c in convs))
+            atomic_write_json(regen_path, regen_res.to_dict())
+            atomic_write_jsonl(conv_path, (c.to_record() for c in convs))
             if not regen_res.remaining:
                 partial.unlink()
         else:
-            _write_jsonl_atomic(conv_path, (c.to_record() for c in convs))
+            atomic_write_jsonl(conv_path, (c.to_record() for c in convs))
         fmt = format_conversations(convs, tok, cfg.max_len, progress=cfg.progress)
         samples_path = d / "samples.jsonl"
-        _write_jsonl_atomic(samples_path, (sample_record(s) for s in fmt.samples))
+        atomic_write_jsonl(samples_path, (sample_record(s) for s in fmt.samples))
         splits[split] = SplitResult(
             conversations=len(convs),
             samples=len(fmt.samples),
@@ -241,7 +226,7 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
             samples_path=str(samples_path),
         )
     result = PrepareResult(out_dir=out, splits=splits, corpus_stats=corpus_stats)
-    _write_json_atomic(summary_path, {**result.to_dict(), "complete": result.complete, "config_hash": key})
+    atomic_write_json(summary_path, {**result.to_dict(), "complete": result.complete, "config_hash": key})
     return result
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eyas.common import atomic_write_bytes, fsync_dir, sha256_file  # noqa: F401 (re-exported)
 from eyas.data.quant import dequantize_fp8, dequantize_int4, quantize_fp8, quantize_int4
 
 log = logging.getLogger(__name__)
@@ -399,32 +400,6 @@ class ShardFile:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: self.tensor(n) for n in self.header}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 # -- manifest -----------------------------------------------------------------------------------------------------

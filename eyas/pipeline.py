@@ -16,7 +16,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from eyas.common import json_hash
 from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
 from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
 from eyas.serving.target import Target, TargetConfig
@@ -38,10 +38,6 @@ if TYPE_CHECKING:
     from eyas.data.store import BytesPerToken
 
 log = logging.getLogger(__name__)
-
-
-def _hash(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -192,7 +188,7 @@ def stage_extract(
 
     t0 = time.perf_counter()
     samples = list(read_samples_jsonl(prep.samples_path("train")))
-    key = _hash(
+    key = json_hash(
         {
             "samples": inputs_fingerprint(samples),
             "store": ecfg.store.to_dict(),
@@ -249,7 +245,7 @@ def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path):
 
     t0 = time.perf_counter()
     store = FeatureStore(store_dir, expect_target=target.info)
-    key = _hash({"store": store.manifest.identity(), "drafter": asdict(dcfg), "train": tcfg.identity()})
+    key = json_hash({"store": store.manifest.identity(), "drafter": asdict(dcfg), "train": tcfg.identity()})
     out = work_dir / "train" / key
     tcfg = replace(tcfg, output_dir=str(out))
     tcfg.data.source = "store"
@@ -294,7 +290,7 @@ def stage_export(train_res, target: Target, work_dir: Path) -> tuple[Path, Stage
 
     t0 = time.perf_counter()
     src = Path(train_res.best_dir or train_res.last_checkpoint)
-    out = work_dir / "export" / _hash({"weights": str(src.resolve()), "step": train_res.steps})
+    out = work_dir / "export" / json_hash({"weights": str(src.resolve()), "step": train_res.steps})
     drafter = load_trained_drafter(src, target.model.get_input_embeddings().weight)
     reused = (out / "config.json").exists()
     if not reused:
@@ -322,7 +318,7 @@ def stage_eval(
     out = (
         work_dir
         / "eval"
-        / _hash(
+        / json_hash(
             {
                 "export": str(export_dir.resolve()),
                 "eval": {**asdict(ecfg), "checkpoint": None},

@@ -11,7 +11,6 @@ Design decisions:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -264,12 +263,6 @@ class TrainConfig:
             d.pop(k)
         d["betas"] = list(self.betas)
         return d
-
-
-def config_hash(identity: dict[str, Any]) -> str:
-    """A short, stable hash of a JSON-able identity dict."""
-    blob = json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def diff_identity(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from eyas.common import json_hash
 from eyas.data.types import Batch
 from eyas.serving.drafter import Eagle3Drafter
 from eyas.serving.target import TargetHead
@@ -47,7 +48,7 @@ from eyas.train.checkpoint import (
     save_checkpoint,
     trainable_weights,
 )
-from eyas.train.config import TrainConfig, config_hash
+from eyas.train.config import TrainConfig
 from eyas.train.losses import (
     ChainCounts,
     DistillationModel,
@@ -368,12 +369,12 @@ def fit(
         "train": cfg.identity(),
         "total_steps": n_steps,
         "drafter": drafter.config.to_dict(),
-        "draft_vocab": config_hash({"ids": vocab_ids.tolist()}),
+        "draft_vocab": json_hash({"ids": vocab_ids.tolist()}),
         "target": info,
         "world_size": world,
         **(extra_identity or {}),
     }
-    chash = config_hash(identity)
+    chash = json_hash(identity)
     out_dir = Path(cfg.output_dir)
     root = checkpoints_root(out_dir)
     resume = _resume_path(cfg, root)

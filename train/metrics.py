@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.common import atomic_write_bytes
 from eyas.train.config import WandbConfig
 from eyas.train.losses import ChainCounts
 
@@ -130,9 +131,7 @@ class MetricsLogger:
                     kept.append(line)
             except json.JSONDecodeError:
                 continue  # a line cut by the kill
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(x + "\n" for x in kept))
-        os.replace(tmp, self.path)
+        atomic_write_bytes(self.path, "".join(x + "\n" for x in kept).encode())
 
     def log(self, step: int, kind: str, values: dict[str, Any]) -> None:
         if not self.enabled:

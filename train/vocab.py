@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.data.store import atomic_write_bytes
+from eyas.common import atomic_write_bytes
 
 
 @dataclass
