@@ -28,20 +28,19 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
+from eyas.common import build_config, load_job
 from eyas.data.store import (
     MANIFEST,
     BytesPerToken,
@@ -61,6 +60,7 @@ from eyas.data.store import (
     write_safetensors,
 )
 from eyas.data.types import Sample
+from eyas.serving.target import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -88,21 +88,13 @@ class ExtractConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.store, Mapping):
-            self.store = StoreOptions(**dict(self.store))
+            self.store = build_config(StoreOptions, self.store, "extract.store")
         if self.shard_size < 1:
             raise ValueError(f"extract.shard_size must be >= 1, not {self.shard_size}")
         if self.max_batch_tokens < 1 or self.max_batch_rows < 1:
             raise ValueError("extract.max_batch_tokens and extract.max_batch_rows must be >= 1")
         if self.verify_resume not in ("header", "full"):
             raise ValueError(f"extract.verify_resume must be 'header' or 'full', not {self.verify_resume!r}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ExtractConfig:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown extract settings {unknown}; known: {sorted(known)}")
-        return cls(**dict(d))
 
 
 @dataclass
@@ -532,32 +524,39 @@ def read_samples_jsonl(path: str | os.PathLike) -> Iterator[Sample]:
 
 
 # -- entry point ----------------------------------------------------------------------------------------------------
-def run_from_config(cfg) -> ExtractResult:
-    """The Hydra job: ``cfg.target`` (TargetConfig fields) and ``cfg.extract`` (samples, out_dir, ExtractConfig)."""
-    from omegaconf import OmegaConf
+@dataclass
+class ExtractStage(ExtractConfig):
+    """The ``extract`` Hydra group: the job's inputs and outputs next to its :class:`ExtractConfig` settings."""
 
-    from eyas.serving.target import TargetConfig, load_target
+    samples: str | None = None
+    """Formatted samples JSONL (``python -m eyas.data.prepare``'s ``<out_dir>/train/samples.jsonl``)."""
+    out_dir: str | None = None
+    """The feature store directory to write (or resume)."""
 
-    ex = OmegaConf.to_container(cfg.extract, resolve=True)
-    assert isinstance(ex, dict)
-    samples_path, out_dir = ex.pop("samples"), ex.pop("out_dir")
-    ecfg = ExtractConfig.from_dict(ex)
-    target = load_target(TargetConfig(**OmegaConf.to_container(cfg.target, resolve=True)))
-    return extract(read_samples_jsonl(samples_path), target, out_dir, ecfg)
+    def settings(self) -> ExtractConfig:
+        return ExtractConfig(**{f: getattr(self, f) for f in ExtractConfig.__dataclass_fields__})
 
 
-def _ensure_group_default(argv: list[str]) -> list[str]:
-    """Select ``extract=default`` when neither conf/config.yaml's defaults nor the command line pick one."""
-    if any(a.split("=")[0].lstrip("+~") == "extract" for a in argv[1:]):
-        return argv
-    from omegaconf import OmegaConf
+@dataclass
+class ExtractJob:
+    """What ``python -m eyas.data.extract`` runs (:func:`run`): the Hydra groups of the same names."""
 
-    defaults = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "config.yaml").get(
-        "defaults", []
+    target: TargetConfig = field(default_factory=TargetConfig)
+    extract: ExtractStage = field(default_factory=ExtractStage)
+
+
+def run(job: ExtractJob, target=None) -> ExtractResult:
+    """Extract ``job.extract.samples`` into ``job.extract.out_dir`` with the target (loaded unless given)."""
+    from eyas.serving.target import load_target
+
+    if not job.extract.samples or not job.extract.out_dir:
+        raise ValueError(
+            "extract.samples and extract.out_dir must both be set (samples JSONL -> store directory)"
+        )
+    target = target if target is not None else load_target(job.target)
+    return extract(
+        read_samples_jsonl(job.extract.samples), target, job.extract.out_dir, job.extract.settings()
     )
-    if any(isinstance(d, Mapping) and "extract" in d for d in defaults):
-        return argv
-    return [*argv, "+extract=default"]
 
 
 def main() -> None:
@@ -565,12 +564,11 @@ def main() -> None:
 
     @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
     def _app(cfg) -> None:
-        res = run_from_config(cfg)
+        res = run(load_job(cfg, ExtractJob))
         print(
             json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(res).items()}, indent=1)
         )
 
-    sys.argv = _ensure_group_default(sys.argv)
     _app()
 
 

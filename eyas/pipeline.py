@@ -21,69 +21,25 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eyas.common import json_hash
-from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
-from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
+from eyas.common import build_config, json_hash
+from eyas.data.extract import ExtractStage
+from eyas.data.prepare import PrepareConfig
+from eyas.eval.acceptance import AcceptanceResult
+from eyas.eval.profile import StepProfile
+from eyas.eval.stage import EvalStageConfig
 from eyas.serving.target import Target, TargetConfig
-from eyas.serving.tree import TreeConfig
-from eyas.serving.verify import SamplingConfig
+from eyas.train.config import DraftModelConfig, TrainConfig
 
 if TYPE_CHECKING:
     from eyas.data.store import BytesPerToken
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EvalStageConfig:
-    """The evaluation stage (``conf/eval``)."""
-
-    prompt_sets: list[PromptSetSpec] = field(default_factory=list)
-    """Prompt sets; ``source`` is any ``data.corpora.load_prompt_set`` name or ``builtin:predictable``."""
-    chain_length: int = 6
-    """K: draft tokens per step of the chain methods."""
-    tree: TreeConfig = field(default_factory=TreeConfig)
-    """EAGLE-2 tree of the ``eagle3-tree`` method."""
-    methods: list[str] = field(
-        default_factory=lambda: ["eagle3-chain", "eagle3-tree", "prompt-lookup", "none"]
-    )
-    """Which of ``eagle3-chain``, ``eagle3-tree``, ``prompt-lookup``, ``none`` to run."""
-    temperature: float = 0.0
-    """0 = greedy (outputs must equal plain decoding's); > 0 samples (lossless in distribution)."""
-    seed: int = 0
-    profile: ProfileConfig | None = field(default_factory=ProfileConfig)
-    """Step-time profile against context length (None: skip)."""
-    max_prompt_tokens: int = 1536
-    """Prompts longer than this are left out."""
-    threads: int | None = None
-    """torch CPU threads during evaluation (None: leave as is)."""
-    checkpoint: str | None = None
-    """``python -m eyas.eval``: the exported drafter directory (SGLang/vLLM format) to evaluate; the pipeline sets its
-    own."""
-
-    def __post_init__(self) -> None:
-        self.prompt_sets = [PromptSetSpec(**p) if isinstance(p, dict) else p for p in self.prompt_sets]
-        if isinstance(self.tree, dict):
-            self.tree = TreeConfig(**self.tree)
-        if isinstance(self.profile, dict):
-            self.profile = ProfileConfig(**self.profile)
-        if not self.prompt_sets:
-            raise ValueError("eval.prompt_sets is empty: give at least one prompt set")
-        if self.chain_length < 1:
-            raise ValueError(f"eval.chain_length (K) must be >= 1, got {self.chain_length}")
-        known = {m.name for m in default_methods(self.chain_length, self.tree)}
-        bad = [m for m in self.methods if m not in known]
-        if bad:
-            raise ValueError(f"unknown eval methods {bad}; known: {sorted(known)}")
-
-    def method_specs(self) -> list[MethodSpec]:
-        return [m for m in default_methods(self.chain_length, self.tree) if m.name in self.methods]
 
 
 @dataclass
@@ -108,11 +64,12 @@ class PipelineResult:
 
 
 # -- stages ------------------------------------------------------------------------------------------------------
-def stage_prepare(pcfg, target: Target) -> tuple[Any, StageRecord]:
-    from eyas.data.prepare import format_summary, prepare
+def stage_prepare(pcfg, target: Target, target_cfg: TargetConfig) -> tuple[Any, StageRecord]:
+    from eyas.data.prepare import PrepareJob, format_summary
+    from eyas.data.prepare import run as run_prepare
 
     t0 = time.perf_counter()
-    res = prepare(pcfg, target if pcfg.regenerate else None, tokenizer=target.tokenizer)
+    res = run_prepare(PrepareJob(target_cfg, pcfg), target)
     print(format_summary(res), flush=True)
     train = res.splits["train"]
     facts = {"samples": train.samples, "tokens": train.tokens, "loss_tokens": train.loss_tokens}
@@ -236,31 +193,23 @@ def stage_extract(
     return out, StageRecord("extract", str(out), time.perf_counter() - t0, res.shards_written == 0, facts)
 
 
-def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path):
+def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path, target_cfg: TargetConfig):
     from dataclasses import replace
 
     from eyas.data.store import FeatureStore
-    from eyas.train.loop import fit
-    from eyas.train.setup import build_drafter, draft_vocab_for, run_data
+    from eyas.train.config import TrainJob
+    from eyas.train.setup import run as run_train
+    from eyas.train.vocab import DraftVocab
 
     t0 = time.perf_counter()
     store = FeatureStore(store_dir, expect_target=target.info)
     key = json_hash({"store": store.manifest.identity(), "drafter": asdict(dcfg), "train": tcfg.identity()})
     out = work_dir / "train" / key
-    tcfg = replace(tcfg, output_dir=str(out))
-    tcfg.data.source = "store"
-    tcfg.data.store_dir = str(store_dir)
-    data = run_data(target, tcfg, 0, 1)
-    vocab = draft_vocab_for(data.vocab_counts, dcfg, target.vocab_size, out)
-    drafter = build_drafter(target, dcfg, vocab, seed=tcfg.seed)
-    res = fit(
-        tcfg,
-        drafter,
-        data.train,
-        data.eval,
-        head=target.head,
-        target_info=target.info,
-        extra_identity=data.identity,
+    data = replace(tcfg.data, source="store", store_dir=str(store_dir))
+    tcfg = replace(tcfg, output_dir=str(out), data=data)
+    res = run_train(TrainJob(target_cfg, dcfg, tcfg), target)
+    vocab = DraftVocab.load(
+        Path(dcfg.vocab_file or out / "draft_vocab.json"), target_vocab_size=target.vocab_size
     )
     facts: dict[str, Any] = {
         "steps": res.steps,
@@ -310,82 +259,63 @@ def stage_eval(
     extra: dict[str, Any],
     command: str,
 ) -> tuple[AcceptanceResult, StepProfile | None, Path, StageRecord]:
-    from eyas.eval.prompts import load_prompt_ids
-    from eyas.eval.report import print_table, write_report
-    from eyas.serving.export import load_exported
+    from dataclasses import replace
 
-    t0 = time.perf_counter()
-    out = (
-        work_dir
-        / "eval"
-        / json_hash(
-            {
-                "export": str(export_dir.resolve()),
-                "eval": {**asdict(ecfg), "checkpoint": None},
-                "target": target.info.to_dict(),
-                "dtype": str(target.dtype),
-            }
-        )
+    from eyas.eval.stage import EvalJob
+    from eyas.eval.stage import run as run_eval
+
+    job = EvalJob(eval=replace(ecfg, checkpoint=str(export_dir)), work_dir=str(work_dir))
+    res = run_eval(job, target, extra, command, title="eyas: the whole pipeline on one config")
+    return (
+        res.acceptance,
+        res.profile,
+        res.report,
+        StageRecord("eval", str(res.report.parent), res.seconds, False),
     )
-    if ecfg.threads:
-        torch.set_num_threads(ecfg.threads)
-    drafter = load_exported(export_dir, embedding=target, dtype=target.dtype, device=str(target.device))
-    prompts = {
-        s.name: (s, load_prompt_ids(s, target.tokenizer, ecfg.seed, ecfg.max_prompt_tokens))
-        for s in ecfg.prompt_sets
-    }
-    acc = run_acceptance(
-        target,
-        drafter,
-        prompts,
-        ecfg.method_specs(),
-        SamplingConfig(temperature=ecfg.temperature, seed=ecfg.seed),
-    )
-    prof = None
-    if ecfg.profile is not None:
-        pcfg = ecfg.profile
-        sizes = sorted({1, ecfg.chain_length + 1, ecfg.tree.total_tokens + 1, *pcfg.verify_tokens})
-        prof = profile_steps(target, drafter, ProfileConfig(**{**asdict(pcfg), "verify_tokens": sizes}))
-    report = write_report(
-        out,
-        acc,
-        prof,
-        extra=extra,
-        title="eyas: the whole pipeline on one config",
-        chain_length=ecfg.chain_length,
-        command=command,
-    )
-    print_table(acc)
-    return acc, prof, report, StageRecord("eval", str(out), time.perf_counter() - t0, False)
 
 
 # -- the pipeline ------------------------------------------------------------------------------------------------
+@dataclass
+class PipelineJob:
+    """Every stage's typed config (the Hydra groups of the same names; ``prepare`` includes the corpus)."""
+
+    target: TargetConfig
+    prepare: PrepareConfig
+    extract: ExtractStage
+    drafter: DraftModelConfig
+    train: TrainConfig
+    eval: EvalStageConfig
+    work_dir: str = "runs"
+    seed: int = 0
+    threads: int | None = None
+    """torch CPU threads for the pipeline (None: torch's default)."""
+    extract_speed_check_tokens: int = 0
+    """Time extraction against a bare target forward over this many of the same tokens (0: skip)."""
+
+
+def pipeline_job(cfg) -> PipelineJob:
+    """The pipeline's typed config from the composed Hydra config, through the one loader."""
+    from eyas.data.prepare import prepare_config_from_hydra
+
+    names = {f.name for f in fields(PipelineJob)} - {"prepare"}
+    return build_config(
+        PipelineJob, {**{k: cfg[k] for k in cfg if k in names}, "prepare": prepare_config_from_hydra(cfg)}
+    )
+
+
 def run_pipeline(cfg) -> PipelineResult:
     """Run every stage for the Hydra config ``cfg`` (see the module docstring)."""
-    from omegaconf import OmegaConf
-
-    from eyas.data.extract import ExtractConfig
-    from eyas.data.prepare import prepare_config_from_hydra
     from eyas.serving.target import load_target
-    from eyas.train.config import DraftModelConfig, TrainConfig, from_dict
 
     os.environ.setdefault("WANDB_SILENT", "true")  # the pipeline prints its own summary
-    d = OmegaConf.to_container(cfg, resolve=True)
-    work_dir = Path(d.get("work_dir", "runs"))
-    pcfg = prepare_config_from_hydra(cfg)
-    ecfg = from_dict(
-        ExtractConfig, {k: v for k, v in d["extract"].items() if k not in ("samples", "out_dir")}
-    )
-    dcfg = from_dict(DraftModelConfig, d["drafter"])
-    tcfg = from_dict(TrainConfig, d["train"])
-    vcfg = EvalStageConfig(**d["eval"])
-    threads = d.get("threads")
-    if threads:
-        torch.set_num_threads(int(threads))
+    job = pipeline_job(cfg)
+    work_dir = Path(job.work_dir)
+    if job.threads:
+        torch.set_num_threads(job.threads)
     command = "python -m eyas.pipeline " + " ".join(sys.argv[1:])
 
     t0 = time.perf_counter()
-    target = load_target(TargetConfig(**d["target"]))
+    target = load_target(job.target)
     stages = [
         StageRecord(
             "load target",
@@ -395,18 +325,18 @@ def run_pipeline(cfg) -> PipelineResult:
             {"dtype": str(target.dtype).removeprefix("torch.")},
         )
     ]
-    prep, rec = stage_prepare(pcfg, target)
+    prep, rec = stage_prepare(job.prepare, target, job.target)
     stages.append(rec)
     store_dir, rec = stage_extract(
-        prep, ecfg, target, work_dir, speed_check_tokens=int(d.get("extract_speed_check_tokens") or 0)
+        prep, job.extract.settings(), target, work_dir, speed_check_tokens=job.extract_speed_check_tokens
     )
     stages.append(rec)
-    train_res, rec = stage_train(store_dir, dcfg, tcfg, target, work_dir)
+    train_res, rec = stage_train(store_dir, job.drafter, job.train, target, work_dir, job.target)
     stages.append(rec)
     export_dir, rec = stage_export(train_res, target, work_dir)
     stages.append(rec)
     extra = {f"{s.name}.{k}": v for s in stages for k, v in s.facts.items()}
-    acc, prof, report, rec = stage_eval(export_dir, vcfg, target, work_dir, extra, command)
+    acc, prof, report, rec = stage_eval(export_dir, job.eval, target, work_dir, extra, command)
     stages.append(rec)
     result = PipelineResult(stages=stages, acceptance=acc, profile=prof, report=str(report))
     summary = {"stages": [asdict(s) for s in stages], "report": str(report), "seconds": result.seconds}

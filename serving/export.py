@@ -50,6 +50,7 @@ from torch import nn
 
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
+from eyas.serving.target import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -804,32 +805,61 @@ def round_trip_error(
 
 
 # -- entry point -------------------------------------------------------------------------------------------------
+@dataclass
+class ExportStage(ExportConfig):
+    """The ``export`` Hydra group: which trainer checkpoint, where to, and the :class:`ExportConfig` settings."""
+
+    checkpoint: str | None = None
+    """A trainer checkpoint directory (``drafter.safetensors`` + ``drafter_config.json``), e.g. ``<run>/best``."""
+    out_dir: str | None = None
+
+    def settings(self) -> ExportConfig:
+        return ExportConfig(**{f: getattr(self, f) for f in ExportConfig.__dataclass_fields__})
+
+
+@dataclass
+class ExportJob:
+    """What ``python -m eyas.serving.export`` runs (:func:`run`): the Hydra groups of the same names."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    export: ExportStage = field(default_factory=ExportStage)
+
+
+def run(job: ExportJob, target=None) -> dict[str, Any]:
+    """Export ``job.export.checkpoint`` for SGLang / vLLM, load it back and check it reproduces the checkpoint's
+    logits; returns :func:`describe_export` plus the round-trip error."""
+    from eyas.serving.drafter import load_trained_drafter
+    from eyas.serving.target import load_target
+
+    e = job.export
+    for key in ("checkpoint", "out_dir"):
+        if getattr(e, key) in (None, "???"):
+            raise ExportError(
+                f"export.{key} is not set: python -m eyas.serving.export export.{key}=<dir> ..."
+            )
+    target = target if target is not None else load_target(job.target)
+    emb = target.model.get_input_embeddings().weight
+    drafter = load_trained_drafter(e.checkpoint, emb)
+    export(drafter, target, e.out_dir, config=e.settings())
+    err = round_trip_error(drafter, e.out_dir, emb)
+    if err > 1e-4:
+        raise ExportError(f"export round trip changed the logits by {err:.3g}: {e.out_dir}")
+    return {**describe_export(e.out_dir), "round_trip_max_abs_logit_diff": err}
+
+
 def main() -> None:
     """``python -m eyas.serving.export export.checkpoint=<dir> export.out_dir=<dir> [export.fmt=speculators] target=...``:
     export a trainer checkpoint for SGLang / vLLM, then load it back and check it reproduces the checkpoint."""
     import hydra
-    from omegaconf import DictConfig, OmegaConf
 
     @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
-    def _main(cfg: DictConfig) -> None:
-        from eyas.serving.drafter import load_trained_drafter
-        from eyas.serving.target import TargetConfig, load_target
+    def _app(cfg) -> None:
+        from eyas.common import load_job
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        e = OmegaConf.to_container(cfg.export, resolve=True)
-        target = load_target(TargetConfig(**OmegaConf.to_container(cfg.target, resolve=True)))
-        emb = target.model.get_input_embeddings().weight
-        drafter = load_trained_drafter(e.pop("checkpoint"), emb)
-        out = e.pop("out_dir")
-        export(drafter, target, out, config=ExportConfig(**e))
-        err = round_trip_error(drafter, out, emb)
-        print(
-            json.dumps({**describe_export(out), "round_trip_max_abs_logit_diff": err}, indent=1, default=str)
-        )
-        if err > 1e-4:
-            raise SystemExit(f"export round trip changed the logits by {err:.3g}")
+        print(json.dumps(run(load_job(cfg, ExportJob)), indent=1, default=str))
 
-    _main()
+    _app()
 
 
 if __name__ == "__main__":

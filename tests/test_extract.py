@@ -16,7 +16,6 @@ import torch
 from eyas.data.extract import (
     KILL_HOOK_ENV,
     ExtractConfig,
-    _ensure_group_default,
     codec_for,
     compute_features,
     extract,
@@ -210,18 +209,23 @@ def test_samples_jsonl_malformed_record_names_file_and_line(tmp_path):
         next(it)
 
 
-def test_hydra_config_builds_the_extract_config():
+def test_hydra_config_builds_the_extract_job():
     from hydra import compose, initialize_config_dir
 
-    argv = _ensure_group_default(["data.extract", "extract.samples=x.jsonl"])
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=argv[1:] + ["extract.store.distribution=topk"])
-    from omegaconf import OmegaConf
+    from eyas.common import ConfigError, load_job
+    from eyas.data.extract import ExtractJob
 
-    d = OmegaConf.to_container(cfg.extract, resolve=False)
-    d.pop("samples"), d.pop("out_dir")
-    ec = ExtractConfig.from_dict(d)
-    assert ec.store == StoreOptions(distribution="topk") and ec.shard_size == 1024
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["extract.samples=x.jsonl", "extract.store.distribution=topk"])
+        bad = compose("config", overrides=["extract.shard_size=many"])
+    job = load_job(cfg, ExtractJob)
+    assert job.extract.samples == "x.jsonl"
+    ec = job.extract.settings()
+    assert (
+        type(ec) is ExtractConfig and ec.store == StoreOptions(distribution="topk") and ec.shard_size == 1024
+    )
+    with pytest.raises(ConfigError, match=r"^extract.shard_size: expected int, got 'many'$"):
+        load_job(bad, ExtractJob)
 
 
 @pytest.mark.slow

@@ -96,7 +96,7 @@ def single(tiny_dir, tmp_path_factory):
     """The reference: one process, two micro-batches per step (in this process, through the Hydra configs)."""
     from hydra import compose, initialize_config_dir
 
-    from eyas.train.__main__ import configs
+    from eyas.train.__main__ import train_job
     from eyas.train.setup import run
 
     out = tmp_path_factory.mktemp("single")
@@ -104,7 +104,7 @@ def single(tiny_dir, tmp_path_factory):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[*_overrides(tiny_dir, out, 2), "train.threads=1"])
     try:
-        res = run(*configs(cfg))
+        res = run(train_job(cfg))
     finally:
         torch.set_num_threads(n)
     assert res.steps == 4

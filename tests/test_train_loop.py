@@ -256,11 +256,12 @@ def test_store_data_for_its_target_and_refused_for_another(tmp_path):
 def test_hydra_presets_build_typed_configs(preset):
     from hydra import compose, initialize_config_dir
 
-    from eyas.train.__main__ import configs
+    from eyas.train.__main__ import train_job
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"train={preset}"])
-    _, drafter_cfg, train_cfg = configs(cfg)
+    job = train_job(cfg)
+    train_cfg = job.train
     assert isinstance(train_cfg.data.synthetic, SyntheticDataConfig) and train_cfg.betas == (0.9, 0.95)
     # the YAML spells out every option of every config dataclass (nothing silently left to a code default)
     from dataclasses import fields

@@ -9,7 +9,8 @@ Multi-node (every node runs the same command; ``train.output_dir`` on a filesyst
         -m eyas.train target=hf target.path=Qwen/Qwen3-8B train.data.store_dir=/shared/store \\
         train.output_dir=/shared/runs/qwen3-8b
 
-The DictConfig becomes typed dataclasses here; only dataclasses go inward (:func:`train.setup.run`).
+The DictConfig becomes a typed :class:`~train.config.TrainJob` here; only dataclasses go inward
+(:func:`train.setup.run`).
 """
 
 from __future__ import annotations
@@ -17,35 +18,29 @@ from __future__ import annotations
 import logging
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from eyas.serving.target import TargetConfig
-from eyas.train.config import DraftModelConfig, TrainConfig, from_dict
+from eyas.common import load_job
+from eyas.train.config import TrainJob
 
 log = logging.getLogger(__name__)
 
 
-def configs(cfg: DictConfig) -> tuple[TargetConfig, DraftModelConfig, TrainConfig]:
-    d = OmegaConf.to_container(cfg, resolve=True)
-    if "train" not in d or "drafter" not in d:
-        raise ValueError("the config has no `train`/`drafter` group: add them to conf/config.yaml's defaults")
-    return (
-        from_dict(TargetConfig, d["target"]),
-        from_dict(DraftModelConfig, d["drafter"]),
-        from_dict(TrainConfig, d["train"]),
-    )
+def train_job(cfg: DictConfig) -> TrainJob:
+    """The typed config of ``python -m eyas.train`` (groups ``target``, ``drafter``, ``train``)."""
+    return load_job(cfg, TrainJob)
 
 
 @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from eyas.train.setup import run
 
-    target_cfg, drafter_cfg, train_cfg = configs(cfg)
-    result = run(target_cfg, drafter_cfg, train_cfg)
+    job = train_job(cfg)
+    result = run(job)
     log.info(
         "training done: %d steps, best %s=%s at step %s, %s",
         result.steps,
-        train_cfg.best_metric,
+        job.train.best_metric,
         result.best_value,
         result.best_step,
         result.output_dir,

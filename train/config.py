@@ -1,7 +1,8 @@
 """Typed configs of the trainer (Hydra groups ``drafter/`` and ``train/``).
 
 Design decisions:
-- The Hydra ``DictConfig`` becomes these dataclasses at the entry point (:func:`from_dict`); only dataclasses go
+- The Hydra ``DictConfig`` becomes these dataclasses at the entry point (:func:`eyas.common.load_job` into
+  :class:`TrainJob`); only dataclasses go
   inward, so ``fit`` and the tests never see OmegaConf.
 - :meth:`TrainConfig.identity` is what a checkpoint must share with the run that resumes it: every field that
   changes the trajectory (optimiser, schedule, loss, data order) and none that only changes bookkeeping (where to
@@ -10,10 +11,12 @@ Design decisions:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from eyas.common import build_config
+from eyas.serving.target import TargetConfig
 
 TEACHERS = ("auto", "hidden", "topk")
 OOV_RULES = ("teacher", "label")
@@ -120,7 +123,7 @@ class DataSourceConfig:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"train.data.eval_fraction must be in [0, 1), not {self.eval_fraction}")
         if isinstance(self.synthetic, dict):
-            self.synthetic = from_dict(SyntheticDataConfig, self.synthetic)
+            self.synthetic = build_config(SyntheticDataConfig, self.synthetic, "train.data.synthetic")
         self.loader = dict(self.loader or {})
         self.online = dict(self.online or {})
         for key in ("split", "eval_fraction"):
@@ -195,9 +198,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):
-            self.wandb = from_dict(WandbConfig, self.wandb)
+            self.wandb = build_config(WandbConfig, self.wandb, "train.wandb")
         if isinstance(self.data, dict):
-            self.data = from_dict(DataSourceConfig, self.data)
+            self.data = build_config(DataSourceConfig, self.data, "train.data")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
         if self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1, not {self.max_steps}")
@@ -277,11 +280,10 @@ def diff_identity(old: dict[str, Any], new: dict[str, Any], prefix: str = "") ->
     return out
 
 
-def from_dict(cls, d: dict[str, Any] | None):
-    """Build a (possibly nested) config dataclass from a plain dict, naming unknown keys."""
-    d = dict(d or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(names)}")
-    return cls(**d)
+@dataclass
+class TrainJob:
+    """What ``python -m eyas.train`` runs (:func:`train.setup.run`): the Hydra groups of the same names."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DraftModelConfig = field(default_factory=DraftModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
-from eyas.train.config import DraftModelConfig, TrainConfig
+from eyas.train.config import DraftModelConfig, TrainConfig, TrainJob
 from eyas.train.sources import BatchSource, ListSource
 from eyas.train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
 
@@ -196,20 +196,23 @@ def _without_zero3_init(accelerator):
         plugin.set_deepspeed_weakref()
 
 
-def run(target_cfg, drafter_cfg: DraftModelConfig, cfg: TrainConfig):
-    """Load the target, build the data, the draft vocabulary and the drafter, and train (every process)."""
+def run(job: TrainJob, target=None):
+    """Load the target (unless given, as the pipeline does), build the data, the draft vocabulary and the drafter,
+    and train (every process). The stage's one entry point: ``python -m eyas.train`` and the pipeline call it."""
     from dataclasses import replace
 
     from eyas.serving.target import load_target
     from eyas.train.loop import fit, make_accelerator
 
+    target_cfg, drafter_cfg, cfg = job.target, job.drafter, job.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     acc = make_accelerator(cfg)
-    if target_cfg.device == "auto":
-        target_cfg = replace(target_cfg, device=str(acc.device))
-    with _without_zero3_init(acc):
-        target = load_target(target_cfg)
+    if target is None:
+        if target_cfg.device == "auto":
+            target_cfg = replace(target_cfg, device=str(acc.device))
+        with _without_zero3_init(acc):
+            target = load_target(target_cfg)
     data = run_data(target, cfg, acc.process_index, acc.num_processes)
     vocab_path = (
         Path(drafter_cfg.vocab_file) if drafter_cfg.vocab_file else Path(cfg.output_dir) / "draft_vocab.json"

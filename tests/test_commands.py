@@ -1,0 +1,102 @@
+"""Every command builds its typed config through the one loader (``eyas.common.build_config``), which names an
+unknown key or a wrong type in one line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from eyas.common import ConfigError, build_config, load_job
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class Inner:
+    k: int = 1
+    ratio: float = 0.5
+
+
+@dataclass
+class Outer:
+    name: str = "x"
+    inner: Inner = field(default_factory=Inner)
+    sizes: list[int] = field(default_factory=list)
+    pair: tuple[float, float] = (0.0, 1.0)
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"outer.limit must be >= 0, not {self.limit}")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"inner": {"k": "abc"}}, "outer.inner.k: expected int, got 'abc'"),
+        ({"inner": {"kk": 1}}, "outer.inner.kk: unknown key (valid: k, ratio)"),
+        ({"sizes": [1, "two"]}, "outer.sizes[1]: expected int, got 'two'"),
+        ({"pair": [1.0]}, "outer.pair: expected 2 values, got [1.0]"),
+        ({"limit": "many"}, "outer.limit: expected int or None, got 'many'"),
+        ({"limit": -1}, "outer.limit must be >= 0, not -1"),
+        ({"inner": {"k": True}}, "outer.inner.k: expected int, got True"),
+    ],
+)
+def test_bad_keys_and_types_are_named_in_one_line(data, message):
+    with pytest.raises(ConfigError) as e:
+        build_config(Outer, data, "outer")
+    assert str(e.value) == message
+
+
+def test_good_values_are_converted_to_the_declared_types():
+    out = build_config(Outer, {"inner": {"ratio": 1}, "pair": [0, 2], "limit": None, "name": 7}, "outer")
+    assert out == Outer(name="7", inner=Inner(ratio=1.0), pair=(0.0, 2.0))
+    assert isinstance(out.inner.ratio, float) and isinstance(out.pair, tuple)
+
+
+def _compose(name: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+def _jobs():
+    from eyas.data.extract import ExtractJob
+    from eyas.data.prepare import prepare_job
+    from eyas.eval.stage import EvalJob
+    from eyas.pipeline import pipeline_job
+    from eyas.serving.export import ExportJob
+    from eyas.train.config import TrainJob
+
+    return {
+        "prepare": ("config", prepare_job),
+        "extract": ("config", lambda c: load_job(c, ExtractJob)),
+        "train": ("config", lambda c: load_job(c, TrainJob)),
+        "export": ("config", lambda c: load_job(c, ExportJob)),
+        "eval": ("config", lambda c: load_job(c, EvalJob)),
+        "pipeline": ("demo", pipeline_job),
+        "bench": ("bench", pipeline_job),
+    }
+
+
+@pytest.mark.parametrize("command", ["prepare", "extract", "train", "export", "eval", "pipeline", "bench"])
+def test_every_command_builds_its_config_and_names_a_bad_override(command):
+    config_name, build = _jobs()[command]
+    job = build(_compose(config_name, []))
+    assert job.target.path == "embedded"
+    group, key, bad, expected = {
+        "prepare": ("prepare", "max_len", "long", "int"),
+        "extract": ("extract", "shard_size", "abc", "int"),
+        "export": ("export", "overwrite", "maybe", "bool"),
+        "eval": ("eval", "chain_length", "six", "int"),
+    }.get(command, ("train", "max_steps", "abc", "int"))
+    if command in ("prepare", "extract", "export", "eval", "pipeline", "bench"):
+        with pytest.raises(ConfigError, match=r"^target.dtype: expected str, got \[1\]$"):
+            build(_compose(config_name, ["target.dtype=[1]"]))
+    with pytest.raises(ConfigError) as e:
+        build(_compose(config_name, [f"{group}.{key}={bad}"]))
+    assert str(e.value) == f"{group}.{key}: expected {expected}, got '{bad}'"
+    with pytest.raises(ConfigError, match=rf"^{group}.no_such_key: unknown key"):
+        build(_compose(config_name, [f"+{group}.no_such_key=1"]))
