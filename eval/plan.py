@@ -625,29 +625,37 @@ def _drafter_costs(
 
 
 # -- entry point -------------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    """``python -m eyas.eval.plan key=value ...`` (the :class:`PlanConfig` fields); prints the plan table."""
-    from omegaconf import OmegaConf
-
-    args = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in args):
-        print(__doc__.split("\n\n")[1] if "\n\n" in __doc__ else __doc__)
-        print("fields: " + ", ".join(f for f in PlanConfig.__dataclass_fields__))
-        return 0
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(PlanConfig), OmegaConf.from_dotlist(args))
-        pc = PlanConfig(**OmegaConf.to_container(merged))
-        cfg, name = load_model_config(pc.model)
-        result = plan_from(pc, cfg, name)
-    except PlanError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # omegaconf validation errors name the bad key
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+def run(pc: PlanConfig) -> int:
+    """The command: print the plan table; 0 when the requested context and concurrency fit, 1 when not."""
+    cfg, name = load_model_config(pc.model)
+    result = plan_from(pc, cfg, name)
     print(result.table())
     return 0 if result.fits else 1
 
 
+def main() -> None:
+    """``python -m eyas.eval.plan key=value ...`` (the :class:`PlanConfig` fields; a Hydra app, config
+    ``eyas_plan``); exit status 2 for settings it cannot work with."""
+    from dataclasses import asdict
+
+    import hydra
+    from hydra.core.config_store import ConfigStore
+
+    from eyas.common import build_config
+
+    ConfigStore.instance().store(name="eyas_plan", node=asdict(PlanConfig()))
+
+    @hydra.main(config_path="pkg://eyas.conf", config_name="eyas_plan", version_base="1.3")
+    def _app(cfg) -> None:
+        try:
+            code = run(build_config(PlanConfig, cfg))
+        except ValueError as e:  # PlanError, ConfigError: the message says what to change
+            print(f"error: {e}", file=sys.stderr)
+            code = 2
+        raise SystemExit(code)
+
+    _app()
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -13,6 +13,10 @@ Design decisions:
   trainer's, not the target's, and configurations cannot disturb each other.
 - Inputs are uniform random tokens with the last ``--loss-fraction`` of each sample marked as assistant tokens:
   throughput depends on the token count, the loss-row fraction and the draft vocabulary, not on the text.
+- Flags (argparse), not a Hydra app: it is a measurement sweep over lists (``--vocab 8192 32768 --modes bf16
+  fp32``) that builds no stage config, and it re-invokes itself per configuration with private flags
+  (``--child``); a Hydra app here would add a run directory per child and nothing a user could override that
+  the flags do not already name. ``eyas bench`` (Hydra, ``conf/bench.yaml``) passes it its flags.
 """
 
 from __future__ import annotations

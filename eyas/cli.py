@@ -1,12 +1,14 @@
 """``eyas <command> [hydra overrides]``: one console script over the stage entry points.
 
-Each command runs the module a user could also run with ``python -m`` (so multi-node training stays the ordinary
-``accelerate launch ... -m eyas.train ...``).
+Each command calls the Hydra app of the module a user could also run with ``python -m`` (so multi-node
+training stays the ordinary ``accelerate launch ... -m eyas.train ...``); ``eyas <command> --help`` is that
+app's help (its config groups and the composed config). Hydra reads the overrides from ``sys.argv``, so the
+command name is taken off it before the app runs.
 """
 
 from __future__ import annotations
 
-import runpy
+import importlib
 import sys
 
 COMMANDS = {
@@ -28,7 +30,7 @@ COMMANDS = {
     "eval": ("eyas.eval", "acceptance evaluation of an exported drafter"),
     "diagnose": (
         "eyas.eval.diagnose",
-        "explain tokens/s = tau / step time; recommend K; `diagnose plan` for memory",
+        "explain tokens/s = tau / step time; recommend K (`diagnose=smoke` for a one-minute check)",
     ),
     "plan": ("eyas.eval.plan", "KV-cache and context-length arithmetic from a model config"),
 }
@@ -47,11 +49,16 @@ def main(argv: list[str] | None = None) -> None:
         print(usage())
         return
     name, rest = argv[0], argv[1:]
+    if name == "diagnose" and rest[:1] == ["plan"]:  # `eyas diagnose plan ...` is `eyas plan ...`
+        name, rest = "plan", rest[1:]
     if name not in COMMANDS:
         raise SystemExit(f"eyas: unknown command {name!r}\n\n{usage()}")
     module = COMMANDS[name][0]
+    app = importlib.import_module(module)
+    if not hasattr(app, "main"):  # a package: its app is __main__
+        app = importlib.import_module(module + ".__main__")
     sys.argv = [f"eyas {name}", *rest]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    app.main()
 
 
 if __name__ == "__main__":

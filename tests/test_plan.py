@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -239,11 +240,23 @@ def test_smollm2_preset_matches_the_embedded_model():
         assert preset[key] == real[key], key
 
 
-def test_cli_prints_the_table(capsys):
-    rc = main(["model=kimi_k2", "gpu_mem_gib=141", "num_gpus=8", "dp_attention=8"])
+def run_app(main, argv, monkeypatch, tmp_path) -> int:
+    """Run a Hydra app in this process as ``python -m ... argv`` would; its exit status."""
+    monkeypatch.chdir(tmp_path)  # Hydra writes its run directory under the working directory
+    monkeypatch.setattr(sys, "argv", ["app", *argv])
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code
+
+
+def test_cli_prints_the_table(capsys, monkeypatch, tmp_path):
+    argv = ["model=kimi_k2", "gpu_mem_gib=141", "num_gpus=8"]
+    assert run_app(main, [*argv, "dp_attention=8"], monkeypatch, tmp_path) == 0
     out = capsys.readouterr().out
-    assert rc == 0
     assert "68.62 KiB" in out and "8.58 KiB" in out
-    assert main(["model=kimi_k2", "gpu_mem_gib=141", "num_gpus=8", "context=300000"]) == 2
+    assert run_app(main, [*argv, "context=300000"], monkeypatch, tmp_path) == 2
     assert "supported maximum of 262144" in capsys.readouterr().err
-    assert main(["model=kimi_k2", "gpu_mem_gib=141", "bogus=1"]) == 2
+    assert run_app(main, [*argv, "+bogus=1"], monkeypatch, tmp_path) == 2
+    assert capsys.readouterr().err.startswith("error: bogus: unknown key")
+    assert run_app(main, [*argv, "gpu_mem_gib=lots"], monkeypatch, tmp_path) == 2
+    assert capsys.readouterr().err == "error: gpu_mem_gib: expected float, got 'lots'\n"

@@ -1,77 +1,48 @@
-"""x"""
+"""``python -m eyas.eval.diagnose [diagnose=<preset>] key=value ...``: the Hydra app of :func:`eval.diagnose.run.run`.
+
+The primary config is :class:`~eval.diagnose.config.DiagnoseConfig`'s defaults (registered as ``eyas_diagnose``)
+with the preset ``conf/diagnose/<preset>.yaml`` (``default``, ``smoke``, ``gpu``) merged over them; every field
+can be overridden (``chain_length=6 contexts=[128,4096] drafter=runs/export``). The exit status is 1 when a
+cell is flagged, 2 for settings or inputs diagnose cannot work with.
+"""
 
 from __future__ import annotations
 
 import logging
 import shlex
 import sys
+from dataclasses import asdict
 
-import torch
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
 
-from eyas.eval.diagnose.config import CONF_DIR, DiagnoseConfig, DiagnoseError
-from eyas.eval.diagnose.report import print_summary, write_report
-from eyas.eval.diagnose.run import diagnose
-from eyas.eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_messages  # noqa: F401
-from eyas.serving.drafters import DrafterLoadError
+from eyas.common import build_config
+from eyas.eval.diagnose.config import DiagnoseConfig
 
-
-# -- entry point -------------------------------------------------------------------------------------------------
-def load_config(args: list[str]) -> DiagnoseConfig:
-    """Defaults ← ``conf/diagnose/<preset>.yaml`` (``preset=``, default ``default``) ← ``key=value`` overrides."""
-    from omegaconf import OmegaConf
-
-    preset = next((a.split("=", 1)[1] for a in args if a.startswith("preset=")), "default")
-    rest = [a for a in args if not a.startswith("preset=")]
-    bad = [a for a in rest if "=" not in a]
-    if bad:
-        raise DiagnoseError(f"arguments must be key=value, got {bad}")
-    merged = OmegaConf.structured(DiagnoseConfig)
-    path = CONF_DIR / f"{preset}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
-        raise DiagnoseError(f"no preset {preset!r} in {CONF_DIR} (known: {known})")
-    merged = OmegaConf.merge(merged, OmegaConf.load(path), OmegaConf.from_dotlist(rest))
-    return OmegaConf.to_object(merged)
+CONFIG_NAME = "eyas_diagnose"
+ConfigStore.instance().store(
+    name=CONFIG_NAME, node={"defaults": ["_self_", {"diagnose": "default"}], **asdict(DiagnoseConfig())}
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m eyas.eval.diagnose [measure|plan] key=value ...`` (see the module docstring)."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] == "plan":
-        from eyas.eval.plan import main as plan_main
+def diagnose_config(cfg: DictConfig) -> DiagnoseConfig:
+    """The typed config of ``python -m eyas.eval.diagnose`` (every key at the top level)."""
+    return build_config(DiagnoseConfig, cfg)
 
-        return plan_main(args[1:])
-    if args and args[0] == "measure":
-        args = args[1:]
-    if any(a in ("-h", "--help") for a in args):
-        print(__doc__.split("\n\n")[1])
-        print("measure fields: " + ", ".join(DiagnoseConfig.__dataclass_fields__))
-        print("plan fields: see python -m eyas.eval.plan --help")
-        return 0
+
+@hydra.main(config_path="pkg://eyas.conf", config_name=CONFIG_NAME, version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from eyas.eval.diagnose.run import run
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = load_config(args)
-    except DiagnoseError as e:
+        code = run(diagnose_config(cfg), "python -m eyas.eval.diagnose " + shlex.join(sys.argv[1:]))
+    except ValueError as e:  # DiagnoseError, DrafterLoadError, ConfigError: the message says what to change
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # omegaconf names the bad key or value
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    from eyas.serving.target import load_target
-
-    try:
-        target = load_target(cfg.target)
-        result = diagnose(target, cfg)
-    except (DiagnoseError, DrafterLoadError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    command = "python -m eyas.eval.diagnose " + " ".join(shlex.quote(a) for a in args)
-    path = write_report(result, cfg.out_dir, command)
-    print_summary(result, path)
-    return 1 if result.flagged else 0
+        code = 2
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -60,3 +60,18 @@ def diagnose(
             "step costs are those of a trained drafter of the same shape"
         )
     return result
+
+
+def run(cfg: DiagnoseConfig, command: str = "") -> int:
+    """The command: load the target, diagnose, write the report; 1 when a cell is flagged (CI can gate on it)."""
+    import torch
+
+    from eyas.eval.diagnose.report import print_summary, write_report
+    from eyas.serving.target import load_target
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    result = diagnose(load_target(cfg.target), cfg)
+    path = write_report(result, cfg.out_dir, command or None)
+    print_summary(result, path)
+    return 1 if result.flagged else 0
