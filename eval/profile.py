@@ -285,7 +285,7 @@ class _DrafterBench:
         cache.prepare(pos, m)
         causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()[None, None]
         out = drafter(ids[1 : m + 1][None], aux[:m][None], pos[None], cache, causal)
-        cache.length = m
+        cache.commit(m)
         self.m = m
         self.hidden = out.hidden[:, -1:]
 

@@ -19,6 +19,7 @@ Design decisions:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -215,6 +216,12 @@ class Attention(nn.Module):
         b, _, t, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, h, q, d] over k/v [B, kv, s, d]; mask [B, 1, q, s] bool (True = may attend)."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.heads != self.kv_heads
+        )
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
@@ -244,6 +251,21 @@ class MidLayer(nn.Module):
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         r = hidden + attn_out
         return r + self.mlp(self.post_attention_layernorm(r))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The drafter block on rows ``(embeds, hidden)`` ([B, T, H] each): returns the pre-norm output [B, T, H].
+
+        ``attend(q, k, v)`` ([B, h, T, d], [B, kv, T, d] x2, rope applied) returns the attention output
+        [B, h, T, d]: over the KV cache at inference, over the step-0 and diagonal keys in the TTT unroll."""
+        q, k, v = self.self_attn.qkv(self.attn_input(embeds, hidden), cos, sin)
+        return self.finish(hidden, self.self_attn.out(attend(q, k, v)))
 
 
 @dataclass
@@ -360,17 +382,12 @@ class Eagle3Drafter(nn.Module):
         e = self.embed(input_ids).to(h.dtype)
         cos, sin = self.rotary(position_ids, h.dtype)
         attn = self.midlayer.self_attn
-        q, k, v = attn.qkv(self.midlayer.attn_input(e, h), cos, sin)
-        k_all, v_all = cache.update(k, v, 0)
-        o = F.scaled_dot_product_attention(
-            q,
-            k_all,
-            v_all,
-            attn_mask=attention_mask,
-            scale=attn.scale,
-            enable_gqa=attn.heads != attn.kv_heads,
-        )
-        out = self.midlayer.finish(h, attn.out(o))
+
+        def attend(q, k, v):
+            k_all, v_all = cache.update(k, v, 0)  # [B, kv, kv_len, d]
+            return attn.sdpa(q, k_all, v_all, attention_mask)
+
+        out = self.midlayer(e, h, cos, sin, attend)
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', not {logits!r}")
         return DrafterOutput(hidden=out, logits=self.logits(out if logits == "all" else out[:, -1:]))
@@ -406,8 +423,18 @@ class Eagle3Drafter(nn.Module):
         main_mask = ((same & causal & (segment_ids[:, :, None] > 0)) | eye)[:, None]  # [B, 1, T, T]
 
         h = self.fuse(aux)
-        keys: list[torch.Tensor] = []
+        main: list[torch.Tensor] = []  # step 0's keys and values: the causal prefix every step reads
+        keys: list[torch.Tensor] = []  # steps 1..j: each row sees only its own (the diagonal)
         values: list[torch.Tensor] = []
+
+        def attend(q, k, v):
+            if not main:
+                main.extend((k, v))
+                return attn.sdpa(q, k, v, main_mask)
+            keys.append(k)
+            values.append(v)
+            return _ttt_attention(q, main[0], main[1], keys, values, main_mask, attn.scale)
+
         hidden_out: list[torch.Tensor] = []
         valid_out: list[torch.Tensor] = []
         for j in range(steps):
@@ -416,17 +443,7 @@ class Eagle3Drafter(nn.Module):
             valid = (rows + j + 1 < t)[None, :] & (segment_ids[:, src] == segment_ids) & (segment_ids > 0)
             e = self.embed(tok).to(h.dtype)
             cos, sin = self.rotary(position_ids + j, h.dtype)
-            q, k, v = attn.qkv(self.midlayer.attn_input(e, h), cos, sin)
-            if j == 0:
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=main_mask, scale=attn.scale, enable_gqa=attn.heads != attn.kv_heads
-                )
-                k0, v0 = k, v
-            else:
-                keys.append(k)
-                values.append(v)
-                o = _ttt_attention(q, k0, v0, keys, values, main_mask, attn.scale)
-            h = self.midlayer.finish(h, attn.out(o))
+            h = self.midlayer(e, h, cos, sin, attend)
             hidden_out.append(h)
             valid_out.append(valid)
         return TTTOutput(hidden=hidden_out, valid=valid_out)

@@ -67,8 +67,9 @@ class SlotCache(Cache):
     """KV cache with explicit write slots; usable as a transformers ``Cache`` and by the drafter.
 
     Protocol, per forward: ``prepare(slots, kv_len)`` → model forward (every layer writes at ``slots`` and reads
-    ``[0, kv_len)``) → the caller decides what to keep: ``length = n`` (rollback / commit) and, for trees,
-    ``keep(src_slots, dst_start)``.
+    ``[0, kv_len)``) → :meth:`commit` what to keep: ``commit(n)`` makes the rows written at ``[length, length +
+    n)`` part of the context, ``commit(path=...)`` first moves a tree's accepted nodes there. Whatever is not
+    committed is rolled back by never being read again.
     """
 
     def __init__(self, num_layers: int, max_len: int):
@@ -94,6 +95,22 @@ class SlotCache(Cache):
             )
         self._write_slots = slots
         self._kv_len = kv_len
+
+    @torch.no_grad()
+    def commit(self, n: int | None = None, *, path: torch.Tensor | None = None) -> None:
+        """Extend the committed context after a forward: by the ``n`` rows it wrote at ``[length, length + n)``,
+        or by the tree nodes ``path`` (indices from ``length``, as written by a tree forward), which are first
+        moved to ``[length, length + len(path))``."""
+        if (n is None) == (path is None):
+            raise ValueError("SlotCache.commit takes n or path, not both")
+        if path is not None:
+            n = path.numel()
+            self.keep(self.length + path.reshape(-1), self.length)
+        if n < 0 or self.length + n > self._kv_len:
+            raise ValueError(
+                f"cannot commit {n} rows at {self.length}: the last forward wrote up to {self._kv_len}"
+            )
+        self.length += n
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)

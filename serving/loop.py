@@ -166,7 +166,7 @@ def prefill(target: Target, cache: SlotCache, prompt: torch.Tensor) -> TargetOut
     cache.prepare(torch.arange(p_len, device=dev), p_len)
     causal = torch.ones(p_len, p_len, dtype=torch.bool, device=dev).tril()[None, None]  # [1, 1, P, P]
     out = target.forward(prompt[None], attention_mask=causal, cache=cache, logits="last")
-    cache.length = p_len
+    cache.commit(p_len)
     return out
 
 
@@ -190,8 +190,7 @@ def tree_forward(target: Target, cache: SlotCache, tree: DraftTree) -> TargetOut
 @torch.inference_mode()
 def commit(cache: SlotCache, path: torch.Tensor) -> None:
     """Keep the verified ``path`` (node indices of the last :func:`tree_forward`) as the next committed tokens."""
-    cache.keep(cache.length + path, cache.length)
-    cache.length += path.numel()
+    cache.commit(path=path)
 
 
 @torch.inference_mode()

@@ -228,7 +228,7 @@ class Eagle3Proposer:
         out = self.drafter(
             ids[None], accepted.aux[None].to(dev), pos[None], cache, mask[None, None], logits="last"
         )
-        cache.length = start + m
+        cache.commit(m)
         self._hidden = out.hidden[:, -1:]
         self._logits = out.logits[0, -1]
 

@@ -35,7 +35,7 @@ def test_slot_cache_incremental_equals_full_forward(arch):
     cache.prepare(torch.arange(n))
     mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(2, 1, n, n)
     parts = [target.forward(ids[:, :n], cache=cache, attention_mask=mask).logits]
-    cache.length = n
+    cache.commit(n)
     for t in range(n, ids.shape[1]):
         cache.prepare(torch.tensor([t]))
         parts.append(
@@ -43,7 +43,7 @@ def test_slot_cache_incremental_equals_full_forward(arch):
                 ids[:, t : t + 1], cache=cache, attention_mask=torch.ones(2, 1, 1, t + 1, dtype=torch.bool)
             ).logits
         )
-        cache.length = t + 1
+        cache.commit(1)
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -62,3 +62,19 @@ def test_default_aux_layers_follow_sglang():
 
     assert default_aux_layers(30) == [1, 14, 26]
     assert default_aux_layers(61) == [1, 29, 57]  # DeepSeek-V3
+
+
+def test_commit_keeps_written_rows_or_a_tree_path_and_refuses_unwritten_ones():
+    from eyas.serving.kv_cache import SlotCache
+
+    cache = SlotCache(num_layers=1, max_len=16)
+    keys = torch.arange(6, dtype=torch.float32).reshape(1, 1, 6, 1)  # row i holds the value i
+    cache.prepare(torch.arange(6), 6)
+    cache.update(keys, keys, 0)
+    cache.commit(2)
+    assert cache.length == 2
+    cache.commit(path=torch.tensor([1, 3]))  # nodes 1 and 3 after the committed prefix: rows 3 and 5
+    assert cache.length == 4
+    assert cache.layers[0].keys[0, 0, :4, 0].tolist() == [0.0, 1.0, 3.0, 5.0]
+    with pytest.raises(ValueError, match="cannot commit 3 rows at 4"):
+        cache.commit(3)
