@@ -36,7 +36,7 @@ from eyas.serving.verify import SamplingConfig
 
 log = logging.getLogger(__name__)
 
-MethodKind = Literal["eagle3", "prompt_lookup", "none"]
+MethodKind = Literal["eagle3", "prompt-lookup", "none"]
 
 
 @dataclass
@@ -95,7 +95,7 @@ def default_methods(
     if with_tree:
         methods.append(MethodSpec("eagle3-tree", "eagle3", "tree", chain_length, tree or TreeConfig()))
     methods += [
-        MethodSpec("prompt-lookup", "prompt_lookup", "chain", chain_length),
+        MethodSpec("prompt-lookup", "prompt-lookup", "chain", chain_length),
         MethodSpec("none", "none", "chain", 1),
     ]
     return methods
@@ -104,7 +104,7 @@ def default_methods(
 def make_proposer(spec: MethodSpec, drafter: Eagle3Drafter | None) -> Proposer:
     if spec.kind == "none":
         return NoProposer()
-    if spec.kind == "prompt_lookup":
+    if spec.kind == "prompt-lookup":
         return PromptLookupProposer(PromptLookupConfig(num_tokens=spec.chain_length))
     if drafter is None:
         raise ValueError(f"method {spec.name} needs an EAGLE-3 drafter")

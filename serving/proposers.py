@@ -119,7 +119,7 @@ class PromptLookupConfig:
 class PromptLookupProposer:
     """Copy what followed the last occurrence of the context's suffix n-gram (a chain; q = point masses)."""
 
-    name = "prompt_lookup"
+    name = "prompt-lookup"
 
     def __init__(self, cfg: PromptLookupConfig | None = None, **kw):
         self.cfg = cfg or PromptLookupConfig(**kw)

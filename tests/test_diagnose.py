@@ -195,7 +195,7 @@ def test_noise_widens_the_threshold():
         ({"chain_length": 3, "k_max": 6}, "exceeds the measured chain_length"),
         ({"methods": ["medusa"]}, "unknown methods"),
         ({"methods": []}, "methods is empty"),
-        ({"methods": ["eagle3_tree"]}, "needs tree shapes"),
+        ({"methods": ["eagle3-tree"]}, "needs tree shapes"),
         ({"prompt_sets": []}, "prompt_sets is empty"),
         ({"contexts": [0]}, "positive"),
     ],
@@ -213,7 +213,7 @@ def test_empty_prompt_set_and_context_over_the_limit():
         ContextPrompts(spec, {8: []})
     target = make_tiny_target("llama")  # max_position_embeddings 2048
     cfg = DiagnoseConfig(
-        methods=["prompt_lookup"], contexts=[64, 4000], prompt_sets=[PromptSetSpec("s", "x", 1)]
+        methods=["prompt-lookup"], contexts=[64, 4000], prompt_sets=[PromptSetSpec("s", "x", 1)]
     )
     with pytest.raises(DiagnoseError, match="supported maximum of 2048 tokens"):
         check_contexts(cfg, target)
@@ -228,7 +228,7 @@ def test_entry_point_config_and_plan(tmp_path, capsys, monkeypatch):
 
     with initialize_config_module("eyas.conf", version_base="1.3"):
         cfg = diagnose_config(compose(CONFIG_NAME, ["diagnose=smoke", "chain_length=5", "contexts=[32,64]"]))
-        assert cfg.chain_length == 5 and cfg.contexts == [32, 64] and cfg.methods == ["prompt_lookup"]
+        assert cfg.chain_length == 5 and cfg.contexts == [32, 64] and cfg.methods == ["prompt-lookup"]
         with pytest.raises(MissingConfigException, match="diagnose/nope"):
             compose(CONFIG_NAME, ["diagnose=nope"])
     assert run_app(main, ["chain_length=0"], monkeypatch, tmp_path) == 2
@@ -303,7 +303,7 @@ def test_injected_loop_delay_is_flagged_and_localised(tmp_path):
     filler = torch.randint(20, 200, (256,), generator=torch.Generator().manual_seed(1)).tolist()
     prompts = {"periodic": prompts_from_ids(spec, [period * 4], filler, [24, 96])}
     cfg = DiagnoseConfig(
-        methods=["prompt_lookup"],
+        methods=["prompt-lookup"],
         chain_length=3,
         contexts=[24, 96],
         prompt_sets=[spec],

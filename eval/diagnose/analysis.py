@@ -251,7 +251,7 @@ def analyse(
             f"chains are priced up to the measured K={cfg.chain_length}; longer chains were not "
             "measured and are not recommended (raise chain_length, or set extrapolate=true)"
         )
-    if "eagle3_tree" in cfg.methods:
+    if "eagle3-tree" in cfg.methods:
         notes.append(
             "tree shapes are priced with their measured τ only (no tree shape is extrapolated); a tree "
             "expansion is priced as a drafter forward over topk context rows"

@@ -18,7 +18,8 @@ from eyas.serving.tree import TreeConfig
 from eyas.serving.verify import SamplingConfig
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "diagnose"
-METHODS = ("eagle3", "eagle3_tree", "prompt_lookup", "none")
+METHODS = ("eagle3-chain", "eagle3-tree", "prompt-lookup", "none")
+"""The drafting methods, named as in eval and the proposers; ``eagle3-tree`` measures every shape of ``trees``."""
 
 
 class DiagnoseError(ValueError):
@@ -46,12 +47,12 @@ class DiagnoseConfig:
     """Draft vocabulary of the ``random`` drafter."""
     runs_dir: str = "runs"
     """Where ``drafter=auto`` looks."""
-    methods: list[str] = field(default_factory=lambda: ["eagle3", "prompt_lookup"])
-    """Any of ``eagle3`` (chain), ``eagle3_tree`` (one method per entry of ``trees``), ``prompt_lookup``, ``none``."""
+    methods: list[str] = field(default_factory=lambda: ["eagle3-chain", "prompt-lookup"])
+    """Any of ``eagle3-chain``, ``eagle3-tree`` (one method per entry of ``trees``), ``prompt-lookup``, ``none``."""
     chain_length: int = 4
     """K: drafts per step of the measured chains (prompt lookup's draft length too)."""
     trees: list[TreeConfig] = field(default_factory=list)
-    """EAGLE-2 tree shapes measured by ``eagle3_tree`` (recommendation candidates; trees are never extrapolated)."""
+    """EAGLE-2 tree shapes measured by ``eagle3-tree`` (recommendation candidates; trees are never extrapolated)."""
     prompt_sets: list[PromptSetSpec] = field(default_factory=_default_sets)
     """Prompt sets (``source``: any ``data.corpora.load_prompt_set`` name, or ``builtin:predictable``)."""
     prompts_per_set: int | None = None
@@ -108,9 +109,9 @@ class DiagnoseConfig:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise DiagnoseError(f"unknown methods {unknown}; choose from {METHODS}")
-        if "eagle3_tree" in self.methods and not self.trees:
+        if "eagle3-tree" in self.methods and not self.trees:
             raise DiagnoseError(
-                "method eagle3_tree needs tree shapes: trees=[{topk: 4, depth: 5, total_tokens: 24}]"
+                "method eagle3-tree needs tree shapes: trees=[{topk: 4, depth: 5, total_tokens: 24}]"
             )
         self.trees = [TreeConfig(**t) if isinstance(t, dict) else t for t in self.trees]
         if not self.contexts or min(self.contexts) < 1:
@@ -163,21 +164,21 @@ def method_specs(cfg: DiagnoseConfig) -> list[MethodSpec]:
     """The measured methods, named as in the report."""
     out: list[MethodSpec] = []
     for m in cfg.methods:
-        if m == "eagle3":
+        if m == "eagle3-chain":
             out.append(MethodSpec("eagle3-chain", "eagle3", "chain", cfg.chain_length))
-        elif m == "eagle3_tree":
+        elif m == "eagle3-tree":
             out += [
                 MethodSpec(
                     f"eagle3-tree-{t.topk}x{t.depth}/{t.total_tokens}", "eagle3", "tree", cfg.chain_length, t
                 )
                 for t in cfg.trees
             ]
-        elif m == "prompt_lookup":
-            out.append(MethodSpec("prompt-lookup", "prompt_lookup", "chain", cfg.chain_length))
+        elif m == "prompt-lookup":
+            out.append(MethodSpec("prompt-lookup", "prompt-lookup", "chain", cfg.chain_length))
         else:
             out.append(MethodSpec("none", "none", "chain", 1))
     return out
 
 
 def drafter_kind(spec: MethodSpec) -> DrafterKind:
-    return {"eagle3": "model", "prompt_lookup": "lookup", "none": "none"}[spec.kind]
+    return {"eagle3": "model", "prompt-lookup": "lookup", "none": "none"}[spec.kind]

@@ -93,7 +93,7 @@ def profile_config(cfg: DiagnoseConfig, context: int) -> ProfileConfig:
     k_top = max(cfg.chain_length, cfg.recommend_k_max)  # the recommendation prices chains up to k_max
     widths = set(range(1, k_top + 2))
     rows = set(range(1, k_top + 2))
-    if "eagle3_tree" in cfg.methods:
+    if "eagle3-tree" in cfg.methods:
         widths |= {t.total_tokens + 1 for t in cfg.trees}
         rows |= {r for t in cfg.trees for r in range(1, t.depth + 2)} | {t.topk for t in cfg.trees}
     return ProfileConfig(
@@ -197,7 +197,7 @@ def measure(
             taken = samples[(r, length)] = [profiler.sample(lo)]
             for s in specs:
                 if (
-                    s.kind != "prompt_lookup"
+                    s.kind != "prompt-lookup"
                 ):  # EAGLE-3 is priced by the drafter's forwards; none drafts nothing
                     continue
                 for name, cp in prompts.items():
