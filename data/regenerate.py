@@ -37,6 +37,7 @@ import torch
 from eyas.data.chat import format_prompt, split_reasoning
 from eyas.data.corpora.mixtures import hash01
 from eyas.data.types import Conversation
+from eyas.serving.verify import warp_probs
 
 log = logging.getLogger(__name__)
 
@@ -202,16 +203,11 @@ def _user_turns(
 def sample_next(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Next token per row from fp32 logits [b, V]: argmax when temperature is 0, else nucleus sampling."""
+    """Next token per row from fp32 logits [b, V]: argmax when temperature is 0, else a draw from
+    :func:`serving.verify.warp_probs` (temperature and nucleus), the distribution speculative sampling keeps."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)  # [b, V]
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before a token already reaches top_p
-        sorted_p = sorted_p.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(warp_probs(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
 
 
 def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
