@@ -464,3 +464,24 @@ def test_packaged_evals_reasoning_subset():
     assert c.messages[-1]["content"] == c.meta["ideal"]
     with pytest.raises(CorpusError, match="no data set 'jee-maths'.*did you mean jee-math"):
         list(read_source(SourceConfig(name="ev", kind="evals", subsets=["jee-maths"])))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_bytes_that_are_not_utf8_are_named_with_file_line_and_column(tmp_path, suffix):
+    good = json.dumps(
+        {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    )
+    bad = good.replace("yo", "caf\xe9").encode("latin-1")  # é as one latin-1 byte
+    col = bad.index(b"\xe9") + 1
+    if suffix == ".jsonl":
+        data = good.encode() + b"\n" + bad + b"\n"
+    else:
+        data = b"[\n" + good.encode() + b",\n" + bad + b"\n]\n"
+    path = tmp_path / f"chats{suffix}"
+    path.write_bytes(data)
+    line = 2 if suffix == ".jsonl" else 3
+    src = SourceConfig(name="mine", kind="file", path=str(path))
+    with pytest.raises(CorpusError) as e:
+        list(read_source(src))
+    assert str(e.value).startswith(f"{path}:{line}: not valid UTF-8 (byte 0xe9 at column {col});")
+    assert "\n" not in str(e.value)

@@ -83,6 +83,15 @@ class SourceStats:
 # ---------------------------------------------------------------------------------------------------------------
 # file readers
 # ---------------------------------------------------------------------------------------------------------------
+def utf8_error(path: Path, line: int, column: int, e: UnicodeDecodeError) -> CorpusError:
+    """The one-line error for bytes that are not UTF-8, naming the file, line and column (1-based)."""
+    bad = e.object[e.start : e.start + 1].hex()
+    return CorpusError(
+        f"{path}:{line}: not valid UTF-8 (byte 0x{bad} at column {column}); re-encode the file as UTF-8, "
+        "e.g. iconv -f latin1 -t utf-8"
+    )
+
+
 def _is_incomplete(e: json.JSONDecodeError, buf: str) -> bool:
     """A decode error caused by the buffer ending (more data may complete it), not by bad data."""
     return e.msg.startswith("Unterminated string") or e.pos >= len(buf) - 1
@@ -103,8 +112,11 @@ class JsonArrayStream:
         chunk_bytes: int = 1 << 22,
         is_record: Callable[[Any], bool] | None = None,
         max_record_chars: int = 1 << 28,
+        strict_utf8: bool = False,
     ):
         self.path = Path(path)
+        self.strict_utf8 = strict_utf8
+        """Bytes that are not UTF-8 raise :func:`utf8_error` (user files); False replaces them with U+FFFD."""
         self.chunk_bytes = chunk_bytes
         self.is_record = is_record
         self.max_record_chars = max_record_chars
@@ -121,7 +133,8 @@ class JsonArrayStream:
             return isinstance(obj, dict) and (first_keys is None or first_keys <= obj.keys())
 
         with open(self.path, "rb") as fb:
-            utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            utf8 = codecs.getincrementaldecoder("utf-8")(errors="strict" if self.strict_utf8 else "replace")
+            read = 0  # bytes of the file read so far
             buf, pos, eof = "", 0, False
             mark_c, mark_b = 0, 0  # buf[mark_c] is at byte mark_b of the file (advanced incrementally: O(n))
 
@@ -137,9 +150,21 @@ class JsonArrayStream:
                 nonlocal buf, pos, eof, mark_c, mark_b
                 mark_b, mark_c = byte_at(pos), 0
                 buf, pos = buf[pos:], 0
+                nonlocal read
                 data = fb.read(self.chunk_bytes)
                 eof = not data
-                buf += utf8.decode(data, final=eof)
+                try:
+                    buf += utf8.decode(data, final=eof)
+                except UnicodeDecodeError as e:
+                    at = (
+                        read + e.start
+                    )  # byte offset of the bad byte (a sequence started in a chunk before is
+                    # reported at this chunk's start)
+                    with open(self.path, "rb") as f2:
+                        before = f2.read(max(at, 0))
+                    line = before.count(b"\n") + 1
+                    raise utf8_error(self.path, line, at - (before.rfind(b"\n") + 1) + 1, e) from None
+                read += len(data)
 
             def skip_ws() -> bool:
                 """Advance past whitespace; False at end of file."""
@@ -221,8 +246,12 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """(line number, record) for every non-blank line of a .jsonl / .jsonl.gz; a malformed line raises."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise utf8_error(path, lineno, e.start + 1, e) from None
             if not line.strip():
                 continue
             try:
@@ -273,7 +302,7 @@ def iter_records_file(
         for row, rec in iter_parquet(path):
             yield f"{path}: row {row}", rec
     elif name.endswith(".json"):
-        stream = JsonArrayStream(path)
+        stream = JsonArrayStream(path, strict_utf8=not tolerant)
         for i, rec in enumerate(stream, 1):
             yield f"{path}: record {i}", rec
         if stats is not None:
