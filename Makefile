@@ -29,6 +29,18 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/python -m eyas.pipeline
 
+# The benchmark budget (regeneration, a larger store, training, eval, the train/extract benches); writes BENCH.md.
+bench: venv
+	$(BIN)/python -m eyas.bench threads=2
+
+# Drafter-training throughput and peak memory (the README's row).
+bench-train: venv
+	$(BIN)/python -m eyas.bench_train --vocab 8192 32768 --modes bf16 fp32 --threads 2
+
+# Extraction speed against a bare forward, and store bytes per token (the README's rows).
+bench-extract: venv
+	$(BIN)/python -m eyas.bench_extract --samples 48 --threads 2 --repeats 2
+
 # Lint, format check, then the test suite.
 test: venv lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

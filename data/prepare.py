@@ -7,7 +7,7 @@ Design decisions:
 - The output directory is keyed by a hash of everything that shapes it (corpus config, prepare settings, the
   tokenizer's fingerprint, and the target when regenerating), so a rerun with the same config reuses a finished
   directory and resumes an unfinished one (regeneration appends per batch and skips finished ids).
-- Layout, per split (``train``/``eval``): ``conversations.jsonl`` (DESIGN.md records; the regenerated ones when
+- Layout, per split (``train``/``eval``): ``conversations.jsonl`` (docs/DESIGN.md records; the regenerated ones when
   regenerating) and ``samples.jsonl`` (``{"id", "source", "input_ids", "loss_mask"}``, mask as 0/1, the input
   of ``data.extract``); plus ``corpus.json`` (resolved config and per-source stats, ShareGPT recovery included)
   and ``summary.json`` (counts, skips, regeneration tokens/s), written last as the "done" marker. Files are

@@ -7,7 +7,7 @@ Design decisions:
 - Generation is batched with left padding; conversations are sorted by prompt length first so a batch pads
   little. The batch composition is fixed by the input alone (sorted order, then chunks), and the sampling seed
   of a batch is derived from its index, so a resumed run writes what an uninterrupted one would.
-- Output is a JSONL of DESIGN.md conversation records, appended and flushed (fsync) once per batch. A restart
+- Output is a JSONL of docs/DESIGN.md conversation records, appended and flushed (fsync) once per batch. A restart
   reads it, drops a torn last line (a batch that was being written when the job died), and skips every id
   already there. Each record carries ``meta.regenerated = true``, the tokens generated and the finish reason of
   every turn (``stop``: the end-of-turn token; ``length``: ``max_new_tokens``); a conversation whose next turn

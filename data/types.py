@@ -1,6 +1,6 @@
 """The data types that flow between eyas stages.
 
-- :class:`Conversation`: one chat record, the DESIGN.md conversation format.
+- :class:`Conversation`: one chat record, the docs/DESIGN.md conversation format.
 - :class:`Sample`: a conversation rendered by the target's chat template: token ids + assistant-only loss mask.
 - :class:`Batch`: what the trainer consumes, from the feature store or from the online mode alike.
 

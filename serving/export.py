@@ -1,7 +1,6 @@
 """Export an EAGLE-3 drafter in the formats SGLang and vLLM load unchanged, and load such an export back.
 
-Design decisions (what each consumer does was read from its source; see the report of the change that added
-this file for file and line):
+Design decisions (what each consumer does was read from its own model-loading code, not from its documentation):
 - Two formats. ``sglang``: ``config.json`` with ``architectures: ["LlamaForCausalLMEagle3"]`` and tensors named
   as :class:`serving.drafter.Eagle3Drafter` names them (``midlayer.*``); SGLang's ``LlamaForCausalLMEagle3`` and
   vLLM's ``Eagle3LlamaForCausalLM`` both load it. ``speculators``: the vLLM ``speculators`` library's Eagle-3
@@ -16,7 +15,7 @@ this file for file and line):
 - The embedding. SGLang always replaces the drafter's embedding with the target's (``set_embed``); vLLM shares
   the target's when the checkpoint has none (or an identical one); the speculators library ignores a missing
   ``embed_tokens.weight`` on load and leaves it at its initial values, and its own converter adds the
-  verifier's embedding. So: not exported for ``sglang`` (DESIGN.md), exported for ``speculators`` (the
+  verifier's embedding. So: not exported for ``sglang`` (docs/DESIGN.md), exported for ``speculators`` (the
   directory is then complete for every speculators-format reader); :attr:`ExportConfig.include_embedding`
   overrides both.
 - Rope: both the transformers-v5 ``rope_parameters`` and the classic ``rope_theta`` / ``rope_scaling`` keys are

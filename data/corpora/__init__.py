@@ -6,7 +6,7 @@ Design decisions:
   ``humaneval`` (packaged evaluation prompt sets), ``file`` (local JSONL / JSON array / Parquet, a directory or a
   glob of them) and ``hf`` (anything ``datasets.load_dataset`` reads). Each named config is a YAML file in
   ``conf/corpus/``; a mixture file lists sources (by name, with overrides, or inline) with weights.
-- Records may be in the DESIGN.md format (``role``/``content``/``reasoning``) or ShareGPT style
+- Records may be in the docs/DESIGN.md format (``role``/``content``/``reasoning``) or ShareGPT style
   (``from``/``value``); roles are normalised to system/user/assistant. User files are read strictly: a
   malformed line or record raises an error naming the file and line. The packaged ShareGPT dump is known to be
   messy and is read tolerantly (records that cannot be used are counted per reason, never silently).

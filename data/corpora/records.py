@@ -24,7 +24,7 @@ def _text(value: Any, what: str) -> str:
 
 
 def normalize_message(m: Any) -> dict[str, Any]:
-    """``{role, content, reasoning?}`` from a DESIGN.md-style or ShareGPT-style message."""
+    """``{role, content, reasoning?}`` from a docs/DESIGN.md-style or ShareGPT-style message."""
     if not isinstance(m, dict):
         raise RecordError(f"a message must be an object, not {type(m).__name__}")
     raw_role = m.get("role", m.get("from"))

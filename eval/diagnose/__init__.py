@@ -31,7 +31,7 @@ Design decisions:
   actual mean context of the steps is what gets priced and reported.
 - "Predictable" prompts: ``builtin:predictable`` (copy a HumanEval function verbatim, count, write a times
   table). Their answers are fixed by the prompt or by a trivial rule, so any competent drafter (and prompt
-  lookup, for the copies) predicts most tokens: the high-τ end of the spectrum (the issue's τ 7–8). "Hard
+  lookup, for the copies) predicts most tokens: the high-τ end of the spectrum (τ 7–8 is within reach there). "Hard
   reasoning" is reasoning-gym's held-out seeds: each answer depends on arithmetic the drafter must redo.
 - Drafters: an exported checkpoint (SGLang or speculators format), a trainer checkpoint, ``auto`` (the newest
   under ``runs/``) or ``random`` (an untrained EAGLE-3 drafter: τ ≈ 1, which still tests the arithmetic).
