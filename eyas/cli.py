@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     app = importlib.import_module(module)
     if not hasattr(app, "main"):  # a package: its app is __main__
         app = importlib.import_module(module + ".__main__")
+    if any(a in ("-h", "--help") for a in rest):
+        print(f"eyas {name}: {COMMANDS[name][1]}\n")
     sys.argv = [f"eyas {name}", *rest]
     app.main()
 

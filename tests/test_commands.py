@@ -3,6 +3,7 @@ unknown key or a wrong type in one line."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,3 +101,27 @@ def test_every_command_builds_its_config_and_names_a_bad_override(command):
     assert str(e.value) == f"{group}.{key}: expected {expected}, got '{bad}'"
     with pytest.raises(ConfigError, match=rf"^{group}.no_such_key: unknown key"):
         build(_compose(config_name, [f"+{group}.no_such_key=1"]))
+
+
+@pytest.mark.parametrize(
+    "command", ["prepare", "extract", "train", "export", "eval", "diagnose", "plan", "demo", "bench"]
+)
+def test_every_command_has_help(command, capsys, monkeypatch, tmp_path):
+    from eyas.cli import COMMANDS, main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command sets its own
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code in (None, 0)
+    out = capsys.readouterr().out
+    assert out.startswith(f"eyas {command}: {COMMANDS[command][1]}")
+    assert "== Config ==" in out  # Hydra's help: the groups and the composed config
+
+
+def test_eyas_help_lists_every_command(capsys):
+    from eyas.cli import COMMANDS, main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in COMMANDS)
