@@ -172,7 +172,7 @@ class TrainConfig:
     """``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (autocast; on CPU too)."""
     bf16_lm_head: bool = False
     """Run only the drafter's lm_head in bf16 (autocast) when ``precision=fp32``: the dominant matmul of a
-    32k-token draft vocabulary, ~4x faster in bf16 on CPUs with bf16 units (see eval/bench_train.py)."""
+    32k-token draft vocabulary, ~4x faster in bf16 on CPUs with bf16 units (see eyas/bench_train.py)."""
     seed: int = 0
     eval_every: int = 200
     """Steps between simulated-acceptance evaluations on the held-out split (0: only at the end)."""

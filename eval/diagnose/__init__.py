@@ -1,13 +1,13 @@
 """Diagnose a deployment's tokens/s, recommend its speculation settings, and plan its context length.
 
-``python -m eyas.eval.diagnose [measure] [preset=default] key=value ...``  measure, explain, recommend (``eval.diagnose``)
-``python -m eyas.eval.diagnose plan model=kimi_k2 gpu_mem_gib=141 ...``   memory plan (``eval.plan``)
+``python -m eyas.eval.diagnose [diagnose=<preset>] key=value ...``  measure, explain, recommend (this package)
+``python -m eyas.eval.plan model=kimi_k2 gpu_mem_gib=141 ...``          memory plan (``eval.plan``)
 
-Presets live in ``conf/diagnose/`` (``default``: a few minutes on the embedded target; ``smoke``; ``gpu``). The
-measure mode writes ``report.md``, ``results.json`` and plots to ``out_dir`` and exits with status 1 when a cell
-is flagged, so CI can gate a serving change on it.
+Presets are the Hydra group ``conf/diagnose/`` (``default``: a few minutes on the embedded target; ``smoke``;
+``gpu``). A run writes ``report.md``, ``results.json`` and plots to ``out_dir`` and exits with status 1 when a
+cell is flagged, so CI can gate a serving change on it.
 
-At batch 1, tokens/s = τ ÷ (draft + verify + bookkeeping) (``eval.throughput``). ``measure`` checks that
+At batch 1, tokens/s = τ ÷ (draft + verify + bookkeeping) (``eval.throughput``). Diagnose checks that
 decomposition on the real loop and reports which term a slow deployment is paying for:
 
 1. In each *round*, at each context length L, generate every prompt of every set with every method at contexts
