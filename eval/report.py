@@ -24,6 +24,20 @@ from eyas.eval.acceptance import AcceptanceResult  # noqa: E402
 from eyas.eval.profile import StepProfile  # noqa: E402
 
 
+def _save(fig, ax, path: Path, xlabel: str | None, ylabel: str, title: str, legend: int | None = 8) -> Path:
+    """Label, (legend,) lay out, write and close one plot."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend is not None:
+        ax.legend(fontsize=legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _grouped_bars(ax, sets: list[str], methods: list[str], value) -> None:
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
@@ -45,12 +59,7 @@ def _plot_per_set(acc: AcceptanceResult, path: Path, attr: str, ylabel: str, tit
     methods = list(dict.fromkeys(r.method for r in acc.results))
     fig, ax = plt.subplots(figsize=(7, 4))
     _grouped_bars(ax, sets, methods, lambda s, m: getattr(acc.get(s, m), attr, float("nan")))
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, None, ylabel, title, legend=None)
 
 
 def plot_tau(acc: AcceptanceResult, path: Path) -> Path:
@@ -67,15 +76,9 @@ def plot_acceptance_by_position(acc: AcceptanceResult, path: Path) -> Path:
         if r.acceptance_by_position and r.method != "none":
             xs = list(range(1, len(r.acceptance_by_position) + 1))
             ax.plot(xs, r.acceptance_by_position, marker="o", label=f"{r.prompt_set} / {r.method}")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accepted ≥ position)")
+    xlabel, ylabel = "draft position", "P(accepted ≥ position)"
     ax.set_ylim(0, 1.02)
-    ax.set_title("Acceptance per draft position")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, xlabel, ylabel, "Acceptance per draft position", legend=7)
 
 
 def plot_step_time(prof: StepProfile, path: Path, chain_length: int | None = None) -> Path:
@@ -88,14 +91,7 @@ def plot_step_time(prof: StepProfile, path: Path, chain_length: int | None = Non
             total = [prof.draft_ms(i, chain_length) for i in range(len(prof.context_lengths))]
             ax.plot(prof.context_lengths, total, marker="s", ls=":", label=f"draft, chain of {chain_length}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("ms")
-    ax.set_title("Step time against context length")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, "context length (tokens)", "ms", "Step time against context length")
 
 
 def results_table(acc: AcceptanceResult, title: str = "eyas: acceptance and throughput") -> Table:
@@ -220,14 +216,8 @@ def plot_predicted_vs_measured(rows: list[dict[str, Any]], path: Path) -> Path:
             if r.get("flagged"):
                 ax.annotate("!", (r["L"], r["meas"]), color="red", fontsize=12, ha="center", va="bottom")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("tokens / s (decode, batch 1)")
-    ax.set_title("Predicted τ ÷ step time against measured tokens/s")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    title = "Predicted τ ÷ step time against measured tokens/s"
+    return _save(fig, ax, path, "context length (tokens)", "tokens / s (decode, batch 1)", title, legend=6)
 
 
 def plot_k_sweep(series: dict[str, list[float]], path: Path) -> Path:
@@ -237,11 +227,5 @@ def plot_k_sweep(series: dict[str, list[float]], path: Path) -> Path:
         best = max(range(len(ys)), key=lambda k: ys[k])
         line = ax.plot(range(len(ys)), ys, marker="o", label=name)[0]
         ax.plot([best], [ys[best]], marker="*", markersize=14, color=line.get_color())
-    ax.set_xlabel("chain length K (drafts per step)")
-    ax.set_ylabel("predicted tokens / s")
-    ax.set_title("Predicted tokens/s against K (★ = best)")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    title = "Predicted tokens/s against K (★ = best)"
+    return _save(fig, ax, path, "chain length K (drafts per step)", "predicted tokens / s", title, legend=6)

@@ -95,24 +95,20 @@ def synthetic_data(target, cfg: SyntheticDataConfig, rank: int = 0, world: int =
     from eyas.train.vocab import count_loss_tokens
 
     v = target.vocab_size
-    seqs, masks = random_sequences(cfg.num_samples, cfg.seq_len, v, cfg.loss_fraction, cfg.seed * 7919 + 1)
-    train = batches_from_sequences(
-        target,
-        seqs[rank::world],
-        masks[rank::world],
-        batch_size=cfg.batch_size,
-        teacher=cfg.teacher,
-        topk=cfg.topk,
-        ids=[f"train-{i}" for i in range(rank, cfg.num_samples, world)],
-    )
-    eseqs, emasks = random_sequences(cfg.eval_samples, cfg.seq_len, v, cfg.loss_fraction, cfg.seed * 7919 + 2)
-    ev = batches_from_sequences(
-        target,
-        eseqs[rank::world],
-        emasks[rank::world],
-        batch_size=cfg.batch_size,
-        teacher=cfg.teacher,
-        topk=cfg.topk,
-        ids=[f"eval-{i}" for i in range(rank, cfg.eval_samples, world)],
-    )
+
+    def split(n: int, salt: int, prefix: str):
+        seqs, masks = random_sequences(n, cfg.seq_len, v, cfg.loss_fraction, cfg.seed * 7919 + salt)
+        batches = batches_from_sequences(
+            target,
+            seqs[rank::world],
+            masks[rank::world],
+            batch_size=cfg.batch_size,
+            teacher=cfg.teacher,
+            topk=cfg.topk,
+            ids=[f"{prefix}-{i}" for i in range(rank, n, world)],
+        )
+        return batches, seqs, masks
+
+    train, seqs, masks = split(cfg.num_samples, 1, "train")
+    ev, _, _ = split(cfg.eval_samples, 2, "eval")
     return SyntheticData(train=train, eval=ev, vocab_counts=count_loss_tokens(zip(seqs, masks), v))
