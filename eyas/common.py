@@ -303,8 +303,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
 
 def build_config(cls: type[T], data: Any, where: str = "") -> T:
     """The one loader of typed configs: ``cls`` (a dataclass) from a mapping (a plain dict or an OmegaConf
-    ``DictConfig``), nested dataclasses included. An unknown key, a value of the wrong type or a value its
-    ``__post_init__`` refuses raises :class:`ConfigError` naming the key, in one line."""
+    ``DictConfig``), nested dataclasses included. An unknown key or a value of the wrong type raises
+    :class:`ConfigError` naming the key, in one line; values are validated by the dataclass itself."""
     if isinstance(data, cls):
         return data
     if hasattr(data, "_metadata") and hasattr(data, "_content"):  # an OmegaConf container
@@ -322,13 +322,7 @@ def build_config(cls: type[T], data: Any, where: str = "") -> T:
         raise ConfigError(f"{prefix}{unknown[0]}: unknown key (valid: {', '.join(sorted(fields))})")
     hints = typing.get_type_hints(cls)
     kwargs = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(msg if msg.startswith(name) else f"{name}: {msg}") from e
+    return cls(**kwargs)  # a value __post_init__ refuses raises its own error (CorpusError, ExportError, ...)
 
 
 def load_job(cfg: Any, cls: type[T]) -> T:

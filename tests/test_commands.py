@@ -42,7 +42,6 @@ class Outer:
         ({"sizes": [1, "two"]}, "outer.sizes[1]: expected int, got 'two'"),
         ({"pair": [1.0]}, "outer.pair: expected 2 values, got [1.0]"),
         ({"limit": "many"}, "outer.limit: expected int or None, got 'many'"),
-        ({"limit": -1}, "outer.limit must be >= 0, not -1"),
         ({"inner": {"k": True}}, "outer.inner.k: expected int, got True"),
     ],
 )
@@ -50,6 +49,11 @@ def test_bad_keys_and_types_are_named_in_one_line(data, message):
     with pytest.raises(ConfigError) as e:
         build_config(Outer, data, "outer")
     assert str(e.value) == message
+
+
+def test_values_are_validated_by_the_dataclass_itself():
+    with pytest.raises(ValueError, match=r"^outer.limit must be >= 0, not -1$"):
+        build_config(Outer, {"limit": -1}, "outer")
 
 
 def test_good_values_are_converted_to_the_declared_types():

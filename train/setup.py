@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from eyas.common import build_config
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
 from eyas.train.config import DraftModelConfig, TrainConfig, TrainJob
 from eyas.train.sources import BatchSource, ListSource
@@ -105,7 +106,9 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
         def make(split: str, **over: Any) -> FeatureLoader:
             return FeatureLoader(
                 store,
-                LoaderConfig(**{**lc, **over}, split=split, eval_fraction=ef),
+                build_config(
+                    LoaderConfig, {**lc, **over, "split": split, "eval_fraction": ef}, "train.data.loader"
+                ),
                 rank=rank,
                 world_size=world,
             )
@@ -125,13 +128,15 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
                 "train.data.source=online needs train.data.samples (the formatted samples JSONL)"
             )
         samples = list(read_samples_jsonl(cfg.data.samples))
-        opts = StoreOptions(**cfg.data.online)
+        opts = build_config(StoreOptions, cfg.data.online, "train.data.online")
 
         def make(split: str, **over: Any) -> FeatureLoader:
             return online_loader(
                 samples,
                 target,
-                LoaderConfig(**{**lc, **over}, split=split, eval_fraction=ef),
+                build_config(
+                    LoaderConfig, {**lc, **over, "split": split, "eval_fraction": ef}, "train.data.loader"
+                ),
                 opts,
                 rank=rank,
                 world_size=world,

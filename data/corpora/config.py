@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from eyas.common import build_config
+
 KINDS = ("sharegpt", "evals", "reasoning_gym", "mt_bench", "humaneval", "file", "hf")
 EVAL_ONLY_KINDS = ("mt_bench", "humaneval")
 SPLITS = ("train", "eval")
@@ -204,7 +206,7 @@ _SOURCE_FIELDS = {f.name for f in fields(SourceConfig)}
 _CORPUS_FIELDS = {f.name for f in fields(CorpusConfig)}
 
 
-def source_config_from_dict(d: dict[str, Any]) -> SourceConfig:
+def source_config_from_dict(d: dict[str, Any], where: str | None = None) -> SourceConfig:
     """A :class:`SourceConfig` from a mapping; a mapping without ``kind`` extends the named config file."""
     d = dict(d)
     if "kind" not in d:
@@ -222,7 +224,7 @@ def source_config_from_dict(d: dict[str, Any]) -> SourceConfig:
         raise CorpusError(
             f"source {d.get('name')!r}: unknown fields {sorted(unknown)}; valid: {sorted(_SOURCE_FIELDS)}"
         )
-    return SourceConfig(**d)
+    return build_config(SourceConfig, d, where or f"corpus.sources[{d.get('name')}]")
 
 
 def corpus_config_from_dict(d: dict[str, Any], name: str | None = None) -> CorpusConfig:
@@ -234,7 +236,9 @@ def corpus_config_from_dict(d: dict[str, Any], name: str | None = None) -> Corpu
         src = {k: v for k, v in d.items() if k not in mix_keys}
         src["name"] = name
         mix = {k: d[k] for k in (*mix_keys, "seed") if k in d}
-        return CorpusConfig(name=name, sources=[source_config_from_dict(src)], **mix)
+        return build_config(
+            CorpusConfig, {"name": name, "sources": [source_config_from_dict(src, "corpus")], **mix}, "corpus"
+        )
     entries = []
     for e in d["sources"]:
         entries.append(source_config_from_dict({"name": e} if isinstance(e, str) else e))
@@ -244,7 +248,7 @@ def corpus_config_from_dict(d: dict[str, Any], name: str | None = None) -> Corpu
             f"corpus {name!r}: unknown fields {sorted(unknown)}; valid: {sorted(_CORPUS_FIELDS)}"
         )
     rest = {k: v for k, v in d.items() if k not in ("sources", "name")}
-    return CorpusConfig(name=name, sources=entries, **rest)
+    return build_config(CorpusConfig, {"name": name, "sources": entries, **rest}, "corpus")
 
 
 def load_corpus_config(name: str) -> CorpusConfig:
