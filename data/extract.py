@@ -40,7 +40,11 @@ import torch
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
-from eyas.common import build_config, load_job
+from eyas.common import (
+    build_config,
+    exit_on_config_error,
+    load_job,
+)
 from eyas.data.store import (
     MANIFEST,
     BytesPerToken,
@@ -563,6 +567,7 @@ def main() -> None:
     import hydra
 
     @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
+    @exit_on_config_error
     def _app(cfg) -> None:
         res = run(load_job(cfg, ExtractJob))
         print(

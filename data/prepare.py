@@ -25,7 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.common import atomic_write_json, atomic_write_jsonl, build_config, json_hash
+from eyas.common import (
+    atomic_write_json,
+    atomic_write_jsonl,
+    build_config,
+    exit_on_config_error,
+    json_hash,
+)
 from eyas.data.chat import FormatStats, format_conversations
 from eyas.data.corpora.config import SPLITS, CorpusConfig, corpus_config_from_dict
 from eyas.data.corpora.mixtures import CorpusSplits, load_corpus
@@ -345,6 +351,7 @@ def main() -> None:
     import hydra
 
     @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
+    @exit_on_config_error
     def _app(cfg) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         print(format_summary(run(prepare_job(cfg))))

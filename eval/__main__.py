@@ -11,8 +11,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from eyas.common import exit_on_config_error
+
 
 @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
+@exit_on_config_error
 def main(cfg: DictConfig) -> None:
     from eyas.common import load_job
     from eyas.eval.stage import EvalJob, run

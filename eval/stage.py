@@ -46,8 +46,8 @@ class EvalStageConfig:
     threads: int | None = None
     """torch CPU threads during evaluation (None: leave as is)."""
     checkpoint: str | None = None
-    """``python -m eyas.eval``: the exported drafter directory (SGLang/vLLM format) to evaluate; the pipeline sets its
-    own."""
+    """``python -m eyas.eval``: the drafter to evaluate, normally the exported directory (SGLang/vLLM format) a user
+    ships; any directory :func:`serving.drafters.load_drafter` reads. The pipeline sets its own."""
 
     def __post_init__(self) -> None:
         self.prompt_sets = [
@@ -99,7 +99,7 @@ def run(
     earlier stages for the report."""
     from eyas.eval.prompts import load_prompt_ids
     from eyas.eval.report import print_table, write_report
-    from eyas.serving.export import load_exported
+    from eyas.serving.drafters import load_drafter
     from eyas.serving.target import load_target
 
     ecfg = job.eval
@@ -124,7 +124,9 @@ def run(
     )
     if ecfg.threads:
         torch.set_num_threads(ecfg.threads)
-    drafter = load_exported(export_dir, embedding=target, dtype=target.dtype, device=str(target.device))
+    drafter = load_drafter(
+        str(export_dir), target
+    ).drafter  # an export (what users ship) or a trainer checkpoint
     prompts = {
         s.name: (s, load_prompt_ids(s, target.tokenizer, ecfg.seed, ecfg.max_prompt_tokens))
         for s in ecfg.prompt_sets

@@ -31,6 +31,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from eyas.common import exit_on_config_error
+
 log = logging.getLogger(__name__)
 
 
@@ -159,6 +161,7 @@ def write_bench_md(
 
 
 @hydra.main(config_path="pkg://eyas.conf", config_name="bench", version_base="1.3")
+@exit_on_config_error
 def main(cfg: DictConfig) -> None:
     from eyas.pipeline import run_pipeline
 

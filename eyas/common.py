@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ import sys
 import types
 import typing
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -331,3 +332,18 @@ def load_job(cfg: Any, cls: type[T]) -> T:
     the groups other commands read are left alone."""
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     return build_config(cls, {k: cfg[k] for k in cfg if k in names})
+
+
+def exit_on_config_error(app: Callable[[Any], T]) -> Callable[[Any], T]:
+    """For a command's Hydra task function: a :class:`ConfigError` ends the command with its one-line message
+    on stderr and exit status 2, instead of a traceback."""
+
+    @functools.wraps(app)
+    def wrapped(cfg: Any) -> T:
+        try:
+            return app(cfg)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return wrapped

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.common import exit_on_config_error
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
 from eyas.serving.target import TargetConfig
@@ -852,6 +853,7 @@ def main() -> None:
     import hydra
 
     @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
+    @exit_on_config_error
     def _app(cfg) -> None:
         from eyas.common import load_job
 

@@ -129,3 +129,24 @@ def test_eyas_help_lists_every_command(capsys):
     main(["--help"])
     out = capsys.readouterr().out
     assert all(f"  {name} " in out for name in COMMANDS)
+
+
+@pytest.mark.parametrize(
+    ("module", "override", "message"),
+    [
+        ("eyas.train.__main__", "train.max_steps=abc", "train.max_steps: expected int, got 'abc'"),
+        (
+            "eyas.data.extract",
+            "extract.max_batch_rows=lots",
+            "extract.max_batch_rows: expected int, got 'lots'",
+        ),
+        ("eyas.pipeline", "train.lr=fast", "train.lr: expected float, got 'fast'"),
+    ],
+)
+def test_a_command_ends_with_the_one_line_error(module, override, message, capsys, monkeypatch, tmp_path):
+    import importlib
+
+    from .test_plan import run_app
+
+    assert run_app(importlib.import_module(module).main, [override], monkeypatch, tmp_path) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"

@@ -20,7 +20,10 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from eyas.common import load_job
+from eyas.common import (
+    exit_on_config_error,
+    load_job,
+)
 from eyas.train.config import TrainJob
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,7 @@ def train_job(cfg: DictConfig) -> TrainJob:
 
 
 @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
+@exit_on_config_error
 def main(cfg: DictConfig) -> None:
     from eyas.train.setup import run
 
