@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -54,3 +55,12 @@ def embedded_target_fp32():
 def tiny_target():
     """Factory: tiny_target(arch="llama", seed=0, **sizes) -> Target over a random-init model."""
     return make_tiny_target
+
+
+def run_app(main, argv, monkeypatch, tmp_path) -> int:
+    """Run a Hydra app in this process as ``python -m ... argv`` would; its exit status."""
+    monkeypatch.chdir(tmp_path)  # Hydra writes its run directory under the working directory
+    monkeypatch.setattr(sys, "argv", ["app", *argv])
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code

@@ -146,7 +146,7 @@ def test_eyas_help_lists_every_command(capsys):
 def test_a_command_ends_with_the_one_line_error(module, override, message, capsys, monkeypatch, tmp_path):
     import importlib
 
-    from .test_plan import run_app
+    from .conftest import run_app
 
     assert run_app(importlib.import_module(module).main, [override], monkeypatch, tmp_path) == 2
     assert capsys.readouterr().err == f"error: {message}\n"

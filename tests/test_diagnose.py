@@ -224,7 +224,7 @@ def test_entry_point_config_and_plan(tmp_path, capsys, monkeypatch):
 
     from eyas.eval.plan import main as plan_main
 
-    from .test_plan import run_app
+    from .conftest import run_app
 
     with initialize_config_module("eyas.conf", version_base="1.3"):
         cfg = diagnose_config(compose(CONFIG_NAME, ["diagnose=smoke", "chain_length=5", "contexts=[32,64]"]))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,8 @@ from eyas.eval.plan import (
     plan,
 )
 from eyas.serving.tiny import ARCHS, tiny_config, tiny_model
+
+from .conftest import run_app
 
 KIMI_KV = (512 + 64) * 61 * 2  # (kv_lora_rank + qk_rope_head_dim) × layers × bf16 bytes = 70272 B
 LLAMA3_KV = 2 * 8 * 128 * 32 * 2  # K and V × kv heads × head_dim × layers × bf16 bytes = 131072 B = 128 KiB
@@ -238,15 +239,6 @@ def test_smollm2_preset_matches_the_embedded_model():
         "tie_word_embeddings",
     ):
         assert preset[key] == real[key], key
-
-
-def run_app(main, argv, monkeypatch, tmp_path) -> int:
-    """Run a Hydra app in this process as ``python -m ... argv`` would; its exit status."""
-    monkeypatch.chdir(tmp_path)  # Hydra writes its run directory under the working directory
-    monkeypatch.setattr(sys, "argv", ["app", *argv])
-    with pytest.raises(SystemExit) as e:
-        main()
-    return e.value.code
 
 
 def test_cli_prints_the_table(capsys, monkeypatch, tmp_path):
