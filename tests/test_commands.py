@@ -150,3 +150,16 @@ def test_a_command_ends_with_the_one_line_error(module, override, message, capsy
 
     assert run_app(importlib.import_module(module).main, [override], monkeypatch, tmp_path) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("preset", ["default", "smoke", "gpu"])
+def test_every_diagnose_preset_builds_its_config(preset):
+    from hydra import initialize_config_module
+
+    from eyas.eval.diagnose.__main__ import CONFIG_NAME, diagnose_config
+
+    with initialize_config_module("eyas.conf", version_base="1.3"):
+        cfg = diagnose_config(compose(CONFIG_NAME, [f"diagnose={preset}"]))
+        with pytest.raises(ConfigError, match=r"^rounds: expected int, got 'many'$"):
+            diagnose_config(compose(CONFIG_NAME, [f"diagnose={preset}", "rounds=many"]))
+    assert cfg.methods and cfg.target.path
