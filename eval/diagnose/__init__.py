@@ -91,3 +91,9 @@ from eyas.eval.diagnose.run import (  # noqa: F401
     diagnose,
     target_facts,
 )
+from eyas.serving.drafters import (  # noqa: F401 (drafter loading moved to serving)
+    LoadedDrafter,
+    find_drafter,
+    load_drafter,
+    random_drafter,
+)
