@@ -41,6 +41,7 @@ from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from eyas.common import (
+    base_config,
     build_config,
     exit_on_config_error,
     load_job,
@@ -538,7 +539,7 @@ class ExtractStage(ExtractConfig):
     """The feature store directory to write (or resume)."""
 
     def settings(self) -> ExtractConfig:
-        return ExtractConfig(**{f: getattr(self, f) for f in ExtractConfig.__dataclass_fields__})
+        return base_config(self, ExtractConfig)
 
 
 @dataclass

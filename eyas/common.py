@@ -347,3 +347,8 @@ def exit_on_config_error(app: Callable[[Any], T]) -> Callable[[Any], T]:
             raise SystemExit(2) from None
 
     return wrapped
+
+
+def base_config(obj: Any, cls: type[T]) -> T:
+    """``obj`` (an instance of a dataclass extending ``cls`` with more fields) as a plain ``cls``."""
+    return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if f.init})

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.common import exit_on_config_error
+from eyas.common import base_config, exit_on_config_error
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
 from eyas.serving.target import TargetConfig
@@ -814,7 +814,7 @@ class ExportStage(ExportConfig):
     out_dir: str | None = None
 
     def settings(self) -> ExportConfig:
-        return ExportConfig(**{f: getattr(self, f) for f in ExportConfig.__dataclass_fields__})
+        return base_config(self, ExportConfig)
 
 
 @dataclass
