@@ -41,6 +41,7 @@ from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from eyas.common import (
+    ConfigError,
     base_config,
     build_config,
     exit_on_config_error,
@@ -554,10 +555,11 @@ def run(job: ExtractJob, target=None) -> ExtractResult:
     """Extract ``job.extract.samples`` into ``job.extract.out_dir`` with the target (loaded unless given)."""
     from eyas.serving.target import load_target
 
-    if not job.extract.samples or not job.extract.out_dir:
-        raise ValueError(
-            "extract.samples and extract.out_dir must both be set (samples JSONL -> store directory)"
-        )
+    for key in ("samples", "out_dir"):
+        if not getattr(job.extract, key):
+            raise ConfigError(
+                f"extract.{key} is not set: extract.samples=<samples JSONL> extract.out_dir=<dir>"
+            )
     target = target if target is not None else load_target(job.target)
     return extract(
         read_samples_jsonl(job.extract.samples), target, job.extract.out_dir, job.extract.settings()

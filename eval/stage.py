@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from eyas.common import build_config, json_hash
+from eyas.common import ConfigError, build_config, json_hash
 from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
 from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
 from eyas.serving.target import Target, TargetConfig
@@ -104,7 +104,9 @@ def run(
 
     ecfg = job.eval
     if not ecfg.checkpoint:
-        raise ValueError("eval.checkpoint is not set: give the exported drafter directory to evaluate")
+        raise ConfigError(
+            "eval.checkpoint is not set: give the exported drafter directory, eval.checkpoint=<dir>"
+        )
     if job.threads:
         torch.set_num_threads(job.threads)
     target = target if target is not None else load_target(job.target)

@@ -302,6 +302,18 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+def _missing_to_none(value: Any) -> Any:
+    """OmegaConf's mandatory-value marker ``???`` (a value the user has not given yet) as None, so the stage's
+    own check names what to set."""
+    if value == "???":
+        return None
+    if isinstance(value, dict):
+        return {k: _missing_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_missing_to_none(v) for v in value]
+    return value
+
+
 def build_config(cls: type[T], data: Any, where: str = "") -> T:
     """The one loader of typed configs: ``cls`` (a dataclass) from a mapping (a plain dict or an OmegaConf
     ``DictConfig``), nested dataclasses included. An unknown key or a value of the wrong type raises
@@ -311,7 +323,7 @@ def build_config(cls: type[T], data: Any, where: str = "") -> T:
     if hasattr(data, "_metadata") and hasattr(data, "_content"):  # an OmegaConf container
         from omegaconf import OmegaConf
 
-        data = OmegaConf.to_container(data, resolve=True)
+        data = _missing_to_none(OmegaConf.to_container(data, resolve=True))
     data = {} if data is None else data
     name = where or cls.__name__
     if not isinstance(data, collections.abc.Mapping):

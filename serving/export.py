@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.common import base_config, exit_on_config_error
+from eyas.common import ConfigError, base_config, exit_on_config_error
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
 from eyas.serving.target import TargetConfig
@@ -833,8 +833,8 @@ def run(job: ExportJob, target=None) -> dict[str, Any]:
 
     e = job.export
     for key in ("checkpoint", "out_dir"):
-        if getattr(e, key) in (None, "???"):
-            raise ExportError(
+        if not getattr(e, key):
+            raise ConfigError(
                 f"export.{key} is not set: python -m eyas.serving.export export.{key}=<dir> ..."
             )
     target = target if target is not None else load_target(job.target)

@@ -163,3 +163,21 @@ def test_every_diagnose_preset_builds_its_config(preset):
         with pytest.raises(ConfigError, match=r"^rounds: expected int, got 'many'$"):
             diagnose_config(compose(CONFIG_NAME, [f"diagnose={preset}", "rounds=many"]))
     assert cfg.methods and cfg.target.path
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        ("eyas.data.extract", "extract.samples is not set"),
+        ("eyas.serving.export", "export.checkpoint is not set"),
+        ("eyas.eval.__main__", "eval.checkpoint is not set"),
+    ],
+)
+def test_a_command_names_the_setting_it_still_needs(module, message, capsys, monkeypatch, tmp_path):
+    import importlib
+
+    from .conftest import run_app
+
+    assert run_app(importlib.import_module(module).main, [], monkeypatch, tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}: ") and err.count("\n") == 1
