@@ -11,7 +11,14 @@ import torch
 from eyas.data.types import Batch
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
 from eyas.serving.target import TargetHead
-from eyas.train.losses import ChainCounts, DistillationModel, VocabMaps, build_teacher, soft_cross_entropy
+from eyas.train.losses import (
+    ChainCounts,
+    DistillationModel,
+    VocabMaps,
+    build_teacher,
+    draft_head,
+    soft_cross_entropy,
+)
 from eyas.train.metrics import simulated_acceptance
 
 V, H, K = 40, 16, 3
@@ -265,3 +272,37 @@ def test_bf16_head_keeps_the_loss_close_to_fp32():
         assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
         losses.append(out.loss.item())
     assert losses[1] == pytest.approx(losses[0], rel=2e-2) and losses[1] != losses[0]
+
+
+@pytest.mark.parametrize("form", ["hidden", "topk"])
+def test_label_rule_counts_an_out_of_vocabulary_target_argmax_as_a_miss(form):
+    """oov_rule=label keeps rows whose data token is a draft token; when the target's own argmax is not a draft
+    token, a served draft is always rejected, so the acceptance metrics must count the row as a miss even if the
+    drafter picks the best in-draft token."""
+    batch, head = _packed_batch(seed=4)
+    bias = torch.zeros(V)
+    bias[1], bias[0] = 12.0, 11.0  # argmax target id 1 (not a draft token), best draft token id 0
+    head = TargetHead(head.weight * 0.01, bias)
+    ids = batch.input_ids.clone()
+    ids[batch.segment_ids > 0] = 0  # every data token is draft token 0: the label rule keeps every row
+    batch.input_ids = ids
+    if form == "topk":
+        lp = torch.log_softmax(head(batch.target_hidden), -1)
+        top = lp.topk(4, -1)
+        batch.topk_logprobs, batch.topk_ids = top.values, top.indices
+        batch.target_hidden = None
+    maps = VocabMaps.from_draft_ids(DRAFT, V)
+    teacher = build_teacher(
+        batch, maps, form=form, oov_rule="label", head=head, draft_rows_head=draft_head(head, maps)
+    )
+    assert bool(teacher.in_vocab.all()) and bool((teacher.target_argmax == 1).all())
+    drafter = _drafter(seed=1)
+    with torch.no_grad():
+        drafter.lm_head.weight.zero_()  # always draft id 0: the best in-draft token
+    with torch.no_grad():
+        out = DistillationModel(drafter, [1.0] * K)(
+            batch.input_ids, batch.aux, batch.position_ids, batch.segment_ids, teacher, 1.0, with_chain=True
+        )
+    assert out.chain.counted.sum() > 0 and out.count.sum() > 0  # rows are counted and carry loss
+    assert out.chain.hits.sum() == 0 and out.chain.correct.sum() == 0 and out.correct.sum() == 0
+    assert simulated_acceptance(out.chain).tau_chain == 1.0

@@ -393,7 +393,7 @@ def fit(
         maps=maps,
         form=cfg.teacher,
         oov_rule=cfg.oov_rule,
-        head=full_head if cfg.oov_rule == "teacher" else None,
+        head=full_head,  # the OOV rule teacher, and the acceptance metrics of either rule
         draft_rows_head=draft_head(full_head, maps)
         if full_head is not None and cfg.oov_rule == "label"
         else None,

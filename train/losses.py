@@ -12,7 +12,7 @@ Design decisions:
   ``TargetHead(weight[draft_ids])`` built once). The out-of-vocabulary rule ``teacher`` needs the argmax over
   the *full* vocabulary: one full-head pass per supervised position, in row chunks, from which the draft
   columns are then gathered (no second pass). Rule ``label`` (drop rows whose data token is not a draft token)
-  needs only the draft rows. ``topk`` teachers scatter the top-k probabilities that fall inside the draft
+  needs only the draft rows in training; evaluation takes the full pass too (see simulated acceptance). ``topk`` teachers scatter the top-k probabilities that fall inside the draft
   vocabulary and renormalise them (the tail mass cannot be placed on individual tokens and is ignored).
 - Rows whose teacher argmax is outside the draft vocabulary are dropped from the loss: the drafter cannot
   propose that token, so any target it is given would be wrong. The acceptance metrics count them as misses.
@@ -29,7 +29,10 @@ Design decisions:
   independent. ``tau_chain`` instead measures on each row the conditional acceptance at depth j given that
   depths 0..j-1 were accepted *and* the data continued with the target's argmax (then the TTT inputs are exactly
   what speculative greedy decoding would have fed the drafter), so ``prod_j`` is a chain rule, not an
-  independence assumption. Both count out-of-vocabulary teacher tokens as rejections.
+  independence assumption. Both count out-of-vocabulary teacher tokens as rejections, whatever the OOV rule:
+  with ``oov_rule=label`` a row whose data token is a draft token still trains on the in-draft distribution,
+  but when the target's full-vocabulary argmax is not a draft token it counts as a miss (served, that draft is
+  always rejected), so evaluation always needs the full argmax (the full head for ``hidden`` teachers).
 """
 
 from __future__ import annotations
@@ -85,7 +88,11 @@ class Teacher:
 
     probs: torch.Tensor  # [N, Vd] fp32, rows sum to 1 (rows with in_vocab False may be all zero)
     draft_argmax: torch.Tensor  # [N] long, argmax of probs
-    target_argmax: torch.Tensor  # [N] long, target id of the teacher's top token (full vocabulary when known)
+    target_argmax: torch.Tensor  # [N] long, target id of the teacher's top token over the full vocabulary
+    # (with oov_rule=label and keep_oov=False the best draft token stands in: nothing then reads it)
+    argmax_in_draft: (
+        torch.Tensor
+    )  # [N] bool, the target's argmax is a draft token (else a served draft misses)
     in_vocab: torch.Tensor  # [N] bool, False: the row is dropped from the loss (see oov_rule)
     index: torch.Tensor  # [B, T] long, teacher row of position p, -1 where p supervises nothing
     row_b: torch.Tensor  # [N] long, batch row of each teacher row
@@ -144,9 +151,14 @@ def build_teacher(
     vd = maps.draft_size
     if form == "hidden":
         hidden = batch.target_hidden[row_b, row_p]  # [N, H]
-        if oov_rule == "teacher":
+        if oov_rule == "teacher" or keep_oov:
+            # the full-vocabulary argmax: the teacher rule needs it, and so do the acceptance metrics of either
+            # rule (a row whose target argmax is not a draft token is always rejected when served)
             if head is None:
-                raise ValueError("the hidden-state teacher with oov_rule=teacher needs the full target head")
+                raise ValueError(
+                    "the hidden-state teacher needs the full target head for oov_rule=teacher and for the "
+                    "acceptance metrics (keep_oov=True)"
+                )
             target_argmax = torch.empty(row_b.numel(), dtype=torch.long, device=hidden.device)
             chunk = max(1, _CHUNK_ELEMENTS // int(head.weight.shape[0]))
             parts = []
@@ -155,15 +167,16 @@ def build_teacher(
                 target_argmax[s : s + chunk] = logits.argmax(-1)
                 parts.append(logits.index_select(1, maps.draft_to_target))  # [c, Vd]
             draft_logits = torch.cat(parts) if parts else hidden.new_zeros(0, vd, dtype=torch.float32)
-            in_vocab = maps.target_to_draft[target_argmax] >= 0
         else:
             if draft_rows_head is None:
                 raise ValueError(
                     "the hidden-state teacher needs the draft-rows target head (losses.draft_head)"
                 )
             draft_logits = draft_rows_head(hidden)  # [N, Vd]
+            # training only (keep_oov=False): the best draft token stands in for the argmax, which no loss term
+            # reads (the rows kept are those of in-vocabulary labels)
             target_argmax = maps.draft_to_target[draft_logits.argmax(-1)]
-            in_vocab = maps.target_to_draft[label] >= 0
+        in_vocab = maps.target_to_draft[target_argmax if oov_rule == "teacher" else label] >= 0
         if not keep_oov:
             keep = in_vocab.nonzero(as_tuple=True)[0]
             row_b, row_p, label, target_argmax, draft_logits = (
@@ -193,6 +206,7 @@ def build_teacher(
         probs=probs,
         draft_argmax=probs.argmax(-1),
         target_argmax=target_argmax,
+        argmax_in_draft=maps.target_to_draft[target_argmax] >= 0,
         in_vocab=in_vocab,
         index=index,
         row_b=row_b,
@@ -294,7 +308,7 @@ def ttt_loss(
         total = total + step_weights[j] * s
         ce_sum.append(s.detach())
         count.append(w.sum())
-        correct.append(((top == teacher.draft_argmax) & w).sum())
+        correct.append(((top == teacher.draft_argmax) & w & teacher.argmax_in_draft).sum())
     return LossOutput(
         loss=total / normalizer,
         ce_sum=torch.stack(ce_sum).float(),
@@ -322,7 +336,9 @@ def _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer)
         trow = tix[rows]  # [M]
         ok = teacher.in_vocab[trow]
         ce, top = soft_cross_entropy_argmax(z, teacher.probs[trow])
-        hit = (top == teacher.draft_argmax[trow]) & ok
+        # a hit needs the target's own argmax to be a draft token: with oov_rule=label a row can carry loss
+        # (its data token is a draft token) while the argmax is not, and the served draft is then always rejected
+        hit = (top == teacher.draft_argmax[trow]) & ok & teacher.argmax_in_draft[trow]
         s = (ce * ok).sum()
         total = total + step_weights[j] * s
         ce_sum.append(s.detach())
