@@ -4,7 +4,9 @@
   :func:`sha256_file`.
 - Atomic writes: :func:`atomic_write_bytes` / :func:`atomic_write_json` / :func:`atomic_write_lines` write a
   temporary file next to the target, fsync it, rename it over the target and fsync the directory, so a killed
-  process leaves the old file or the new one, never half of one.
+  process leaves the old file or the new one, never half of one. Directories (checkpoints, ``best/``) are
+  written under a temporary name, fsynced whole (:func:`fsync_tree`) and swapped into place
+  (:func:`replace_dir`), so the old one or the new one always exists.
 - Typed configs: :func:`build_config` builds a config dataclass from a mapping and names an unknown key or a
   wrong type in one line (``train.max_steps: expected int, got 'abc'``); every command's Hydra app uses it.
 - Files shipped inside PyPI wheels (:func:`packaged_file`): the embedded target's GGUF and the packaged corpora.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
@@ -64,6 +67,69 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file already written (by any writer: torch.save, safetensors, DeepSpeed) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under ``path`` (files first, each directory after its entries), so a
+    directory about to be renamed into place holds only bytes that are on the disk."""
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            fsync_file(os.path.join(root, name))
+        fsync_dir(root)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Put the directory ``src`` (already fsynced) in the place of ``dst`` so that ``dst`` always exists: a swap
+    of the two (one atomic step), then the old one removed. Where the system cannot swap, ``dst`` is renamed
+    aside to ``.<name>.old`` first (a short window without ``dst``; :func:`recover_dir` puts it back)."""
+    src, dst = Path(src), Path(dst)
+    old = dst.with_name(f".{dst.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if not dst.exists():
+        os.replace(src, dst)
+    elif _exchange(src, dst):
+        old = src  # the previous dst, now under src's (temporary) name
+    else:
+        os.replace(dst, old)
+        os.replace(src, dst)
+    fsync_dir(dst.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_dir(dst: str | os.PathLike) -> None:
+    """Undo a :func:`replace_dir` interrupted between its two renames (only where the system cannot swap)."""
+    dst = Path(dst)
+    old = dst.with_name(f".{dst.name}.old")
+    if not dst.exists() and old.is_dir():
+        os.replace(old, dst)
+        fsync_dir(dst.parent)
 
 
 def atomic_write_lines(path: str | os.PathLike, chunks: Iterable[bytes]) -> None:

@@ -2,7 +2,9 @@
 
 A checkpoint is a directory ``<output_dir>/checkpoints/step_00000040/``::
 
-    trainer_state.json      step, config hash + identity, world size, tokens seen, best metric, wandb run id
+    trainer_state.json      step, config hash + identity, world size, tokens seen (every real token, i.e. not
+                            padding, of every optimizer step so far, all processes; resumed runs continue the
+                            count), best metric, wandb run id
     drafter.safetensors     trainable drafter weights (no frozen target embedding) incl. d2t / t2d
     drafter_config.json     DrafterConfig.to_dict()
     optimizer.pt            AdamW state (plain data parallel; rank 0)    | ds/  DeepSpeed engine checkpoint
@@ -11,8 +13,10 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step_00000040/``::
     data_rank{r}.pt         the data source's state_dict() on rank r (its position)
 
 Design decisions:
-- Atomic: every rank writes into ``.step_XXXXXXXX.tmp``; after a barrier rank 0 writes trainer_state.json last and
-  renames the directory. A run killed at any moment leaves whole checkpoints plus at most one ignored temp dir.
+- Atomic: every rank writes into ``.step_XXXXXXXX.tmp`` and fsyncs its files; after a barrier rank 0 writes
+  trainer_state.json last, fsyncs the whole directory and renames it (``common.replace_dir``: a re-save of the same
+  step swaps the two directories, so ``step_X`` never disappears). A run killed, or a machine losing power, at
+  any moment leaves whole checkpoints plus at most one ignored temp dir. ``best/`` is replaced the same way.
   Multi-node runs need ``output_dir`` on a filesystem every node sees.
 - Only trainable weights are saved; the frozen embedding is the target's and comes back from the target.
 - Resume is refused, with the differing fields named, when the checkpoint's identity (trajectory-relevant
@@ -36,7 +40,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from eyas.data.store import atomic_write_bytes
+from eyas.common import atomic_write_bytes, atomic_write_json, fsync_file, fsync_tree, replace_dir
 from eyas.serving.drafter import WEIGHTS_FILE, save_drafter_weights
 from eyas.train.config import diff_identity
 
@@ -51,6 +55,29 @@ class CheckpointMismatchError(RuntimeError):
     """The checkpoint was written by a run with another configuration."""
 
 
+class DamagedCheckpointError(RuntimeError):
+    """A file of the checkpoint cannot be read (truncated, overwritten, half copied)."""
+
+
+def _way_out(path: Path) -> str:
+    return (
+        f"Resume from the checkpoint before it (train.resume=<its directory>, or delete {path} and keep "
+        "train.resume=auto), or start afresh with train.resume=never in an empty train.output_dir"
+    )
+
+
+def _read(path: Path, name: str, reader):
+    """``reader(path / name)``, or a :class:`DamagedCheckpointError` naming the checkpoint, the file and the fix."""
+    try:
+        return reader(path / name)
+    except FileNotFoundError as e:
+        raise DamagedCheckpointError(f"checkpoint {path} has no {name}. {_way_out(path)}") from e
+    except Exception as e:  # noqa: BLE001 - torch / safetensors raise many types for a damaged file
+        raise DamagedCheckpointError(
+            f"checkpoint {path}: {name} is damaged ({type(e).__name__}: {str(e)[:200]}). {_way_out(path)}"
+        ) from e
+
+
 @dataclass
 class TrainerState:
     """``trainer_state.json``."""
@@ -60,6 +87,7 @@ class TrainerState:
     identity: dict[str, Any]
     world_size: int
     tokens_seen: int = 0
+    """Real (non-padding) tokens of every optimizer step so far, over all processes; carried across resumes."""
     best_value: float | None = None
     best_step: int | None = None
     wandb_id: str | None = None
@@ -164,7 +192,8 @@ def load_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def load_drafter_weights(drafter, directory: str | os.PathLike) -> None:
     """Load trainable weights into an (unwrapped) drafter; the frozen embedding must be the only key missing."""
-    weights = load_weights(directory)
+    directory = Path(directory)
+    weights = _read(directory, WEIGHTS_FILE, lambda p: load_file(str(p)))
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
@@ -200,21 +229,20 @@ def save_checkpoint(
     weights = trainable_weights(accelerator, model)
     if _is_deepspeed(accelerator):
         model.save_checkpoint(str(tmp / "ds"), tag="ds", save_latest=False, exclude_frozen_parameters=True)
+        fsync_tree(tmp / "ds")  # every rank its own partitions (on a shared filesystem)
     elif accelerator.is_main_process:
-        torch.save(_optimizer_state(optimizer), tmp / "optimizer.pt")
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    torch.save(data_state, tmp / f"data_rank{rank}.pt")
+        _save(_optimizer_state(optimizer), tmp / "optimizer.pt")
+    _save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    _save(data_state, tmp / f"data_rank{rank}.pt")
     if accelerator.is_main_process:
         save_weights(tmp, weights, drafter_config)
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        _save(scheduler.state_dict(), tmp / "scheduler.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state.saved_at = time.time()
         atomic_write_bytes(tmp / STATE_FILE, json.dumps(asdict(state), indent=1, sort_keys=True).encode())
-        if final.exists():  # a re-save of the same step (e.g. resumed exactly at the end)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_tree(tmp)  # every file on the disk before the directory gets its final name
+        replace_dir(tmp, final)  # a re-save of the same step swaps: step_X exists throughout
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint saved: %s", final)
@@ -229,15 +257,9 @@ def _optimizer_state(optimizer) -> dict[str, Any]:
     return inner.state_dict()
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _save(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    fsync_file(path)
 
 
 def save_best(
@@ -246,24 +268,24 @@ def save_best(
     drafter_config: dict[str, Any],
     metrics: dict[str, Any],
 ) -> None:
-    """Replace ``directory`` (the best drafter so far) atomically: weights, config and the metrics that chose it."""
+    """Replace ``directory`` (the best drafter so far) atomically: weights, config and the metrics that chose it,
+    written under a temporary name, fsynced, then swapped in (``directory`` exists at every moment)."""
     directory = Path(directory)
     tmp = directory.with_name("." + directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     save_weights(tmp, weights, drafter_config)
-    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
-    old = directory.with_name("." + directory.name + ".old")
-    if directory.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
+    atomic_write_json(tmp / "metrics.json", metrics)
+    fsync_tree(tmp)
+    replace_dir(tmp, directory)
 
 
 # -- load -------------------------------------------------------------------------------------------------------
+def _torch_load(p: Path) -> Any:
+    return torch.load(p, map_location="cpu", weights_only=False)
+
+
 def check_identity(state: TrainerState, config_hash: str, identity: dict[str, Any], path: Path) -> None:
     if state.config_hash == config_hash:
         return
@@ -316,9 +338,9 @@ def load_checkpoint(
             )
         load_drafter_weights(accelerator.unwrap_model(model).drafter, path)
         inner = getattr(optimizer, "optimizer", optimizer)
-        inner.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=False))
-    data_state = torch.load(path / f"data_rank{rank}.pt", weights_only=False)
+        inner.load_state_dict(_read(path, "optimizer.pt", _torch_load))
+    scheduler.load_state_dict(_read(path, "scheduler.pt", _torch_load))
+    set_rng_state(_read(path, f"rng_rank{rank}.pt", _torch_load))
+    data_state = _read(path, f"data_rank{rank}.pt", _torch_load)
     log.info("resumed from %s (step %d)", path, state.step)
     return LoadedCheckpoint(path=path, state=state, data_state=data_state)

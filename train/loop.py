@@ -519,7 +519,11 @@ def fit(
             n_local = sum(
                 int(supervised_positions(b).sum()) for b in micro
             )  # OOV rows count: they are tokens
-            n_global = _sum(acc, torch.tensor([float(n_local)], device=dev))
+            # one all-reduce: supervised positions (the normalizer) and tokens (TrainerState.tokens_seen)
+            counts = _sum(
+                acc, torch.tensor([float(n_local), float(sum(b.num_tokens for b in micro))], device=dev)
+            )
+            n_global = counts[:1]
             normalizer = n_global.clamp(min=1.0) / (world * cfg.grad_accum)
             grad_norm = None
             for b, teacher in zip(micro, teachers):
@@ -547,6 +551,7 @@ def fit(
                 raise RuntimeError("accelerate's accumulation counter is out of step with train.grad_accum")
             t2 = time.perf_counter()
             step += 1
+            state.tokens_seen += int(counts[1].item())  # every real token of the step, all processes
             window.n_supervised += float(n_global.item())  # already summed over processes
             window.data_s += t1 - t0
             window.compute_s += t2 - t1
