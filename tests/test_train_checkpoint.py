@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
