@@ -164,7 +164,6 @@ def collate(
         k = codec.options.topk
         out["topk_logprobs"] = torch.zeros(b, t, k, dtype=torch.float32, device=dev)
         out["topk_ids"] = torch.zeros(b, t, k, dtype=torch.long, device=dev)
-        out["tail_mass"] = torch.zeros(b, t, dtype=torch.float32, device=dev)
     else:
         out["target_hidden"] = torch.zeros(b, t, codec.hidden_size, dtype=dtype, device=dev)
     sample_ids: list[list[str]] = []
@@ -184,7 +183,6 @@ def collate(
             if topk:
                 out["topk_logprobs"][r, sl] = feats["topk_logprobs"]
                 out["topk_ids"][r, sl] = feats["topk_ids"].long()
-                out["tail_mass"][r, sl] = feats["tail_mass"]
             else:
                 out["target_hidden"][r, sl] = feats["hidden"].to(dtype)
             sample_ids[-1].append(s.id)

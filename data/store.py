@@ -11,7 +11,7 @@ A store is a directory::
 Shard tensors (N tokens, S samples): ``input_ids [N] int32``, ``loss_mask [N] uint8``, ``offsets [S+1] int64``,
 the aux states as ``aux [N, A*H] bf16`` | ``aux_fp8 [N, A*H] f8_e4m3 + aux_scale [N, A] bf16`` |
 ``aux_int4 [N, A*H/2] uint8 + aux_scale [N, A*H/g] bf16``, and the target distribution as ``hidden [N, H] bf16``
-| ``topk_logprobs [N, k] fp32 + topk_ids [N, k] int32 + tail_mass [N] fp32``. Sample ids and the shard index
+| ``topk_logprobs [N, k] fp32 + topk_ids [N, k] int32``. Sample ids and the shard index
 are the shard's metadata.
 
 Design decisions:
@@ -24,6 +24,10 @@ Design decisions:
   same way after each shard, so it only ever lists whole shards.
 - Opening checks what is cheap (every shard present, file size, header parses and names the expected shard);
   the full sha256 check reads every byte and is opt-in (``verify="full"``, :func:`verify_store`).
+- No tail mass is stored with the top-k: it is ``1 - sum(exp(topk_logprobs))``, a function of what is stored,
+  and the top-k teacher cannot use it (the share of the tail inside the draft vocabulary is unknown, so it cannot
+  be placed on tokens or renormalised against; train/losses.py). Stores written with a ``tail_mass`` tensor
+  still open: it is never read.
 - Bytes per token is a headline number: :func:`bytes_per_token` computes it from the options, the manifest
   records it, and the file sizes confirm it.
 """
@@ -97,7 +101,7 @@ class StoreOptions:
     """Values sharing one scale with ``aux_dtype=int4``; even, and dividing the hidden size."""
     distribution: str = "hidden"
     """Target next-token distribution: ``hidden`` (final normed hidden state, bf16; the trainer applies the
-    frozen head) or ``topk`` (top-k log-probabilities over the full vocabulary + ids + tail mass, fp32)."""
+    frozen head) or ``topk`` (top-k log-probabilities over the full vocabulary, fp32, + their ids, int32)."""
     topk: int = 32
     """k for ``distribution=topk``."""
 
@@ -216,7 +220,6 @@ class FeatureCodec:
         else:
             specs["topk_logprobs"] = TensorSpec((options.topk,), torch.float32)
             specs["topk_ids"] = TensorSpec((options.topk,), torch.int32)
-            specs["tail_mass"] = TensorSpec((), torch.float32)
         self.specs = specs
 
     @property
@@ -226,11 +229,7 @@ class FeatureCodec:
 
     def bytes_per_token(self) -> BytesPerToken:
         aux = sum(s.row_bytes for n, s in self.specs.items() if n.startswith("aux"))
-        dist = sum(
-            s.row_bytes
-            for n, s in self.specs.items()
-            if n in ("hidden", "topk_logprobs", "topk_ids", "tail_mass")
-        )
+        dist = sum(s.row_bytes for n, s in self.specs.items() if n in ("hidden", "topk_logprobs", "topk_ids"))
         tok = self.specs["input_ids"].row_bytes + self.specs["loss_mask"].row_bytes
         return BytesPerToken(
             aux=aux, distribution=dist, tokens=tok, total=aux + dist + tok, anchor=8 * self.hidden_size
@@ -266,7 +265,7 @@ class FeatureCodec:
     def encode_topk(
         self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """Top-k log-probabilities over the full vocabulary, their ids, and the tail mass 1 - sum(top-k probs)."""
+        """Top-k log-probabilities over the full vocabulary and their ids."""
         k = self.options.topk
         n = hidden.shape[0]
         lp = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
@@ -281,8 +280,7 @@ class FeatureCodec:
             top = torch.topk(logits, k, dim=-1)
             lp[s : s + chunk] = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
             ids[s : s + chunk] = top.indices.to(torch.int32)
-        tail = (1.0 - lp.double().exp().sum(-1)).clamp_(min=0.0).float()  # fp64 sum: 1e-7-exact tail
-        return {"topk_logprobs": lp, "topk_ids": ids, "tail_mass": tail}
+        return {"topk_logprobs": lp, "topk_ids": ids}
 
     # -- decode -------------------------------------------------------------------------------------------------
     def decode_aux(

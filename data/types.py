@@ -77,8 +77,8 @@ class Batch:
     """A training batch (padded or packed). Shapes: B rows of T tokens.
 
     The target distribution comes in one of two forms: ``target_hidden`` (final normed hidden state; the trainer
-    applies the frozen target head) or ``topk_logprobs``/``topk_ids``/``tail_mass`` (log-probabilities of the k
-    most likely target tokens over the full vocabulary, and the probability mass outside them).
+    applies the frozen target head) or ``topk_logprobs``/``topk_ids`` (log-probabilities of the k most likely
+    target tokens over the full vocabulary; the mass outside them is ``1 - sum(exp(topk_logprobs))``).
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -89,7 +89,6 @@ class Batch:
     target_hidden: torch.Tensor | None = None  # [B, T, H]
     topk_logprobs: torch.Tensor | None = None  # [B, T, k] fp32
     topk_ids: torch.Tensor | None = None  # [B, T, k] long
-    tail_mass: torch.Tensor | None = None  # [B, T] fp32
     sample_ids: list[list[str]] = field(default_factory=list)
     """Per row, the ids of the samples packed into it (in segment order): names the culprit of a NaN loss."""
 

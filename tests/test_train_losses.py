@@ -228,7 +228,6 @@ def test_topk_teacher_renormalises_inside_the_draft_vocabulary():
         aux=torch.zeros(1, 4, 6),
         topk_logprobs=torch.cat([lp, torch.zeros(1, 3)])[None],
         topk_ids=torch.cat([tk, torch.zeros(1, 3, dtype=torch.long)])[None],
-        tail_mass=torch.zeros(1, 4),
     )
     t = build_teacher(batch, maps, form="topk", oov_rule="teacher")
     assert t.index.tolist() == [[0, 1, 2, -1]]

@@ -13,7 +13,10 @@ Design decisions:
   the *full* vocabulary: one full-head pass per supervised position, in row chunks, from which the draft
   columns are then gathered (no second pass). Rule ``label`` (drop rows whose data token is not a draft token)
   needs only the draft rows in training; evaluation takes the full pass too (see simulated acceptance). ``topk`` teachers scatter the top-k probabilities that fall inside the draft
-  vocabulary and renormalise them (the tail mass cannot be placed on individual tokens and is ignored).
+  vocabulary and renormalise them. The tail (mass outside the top-k) is not used, and the store does not keep
+  it: which part of it lies inside the draft vocabulary is unknown, so it can neither be placed on tokens nor
+  enter the renormalisation, and a "rest of the vocabulary" bucket would train the drafter towards a set it
+  cannot name. With k = 32 it is typically a few percent of the mass; ``1 - sum(exp(topk_logprobs))`` gives it.
 - Rows whose teacher argmax is outside the draft vocabulary are dropped from the loss: the drafter cannot
   propose that token, so any target it is given would be wrong. The acceptance metrics count them as misses.
 - The drafter's ``lm_head`` runs only on rows that carry loss (typically 40-70 % of a chat sequence), taken in

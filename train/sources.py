@@ -82,7 +82,6 @@ class SampleFeatures:
     target_hidden: torch.Tensor | None = None  # [n, H]
     topk_logprobs: torch.Tensor | None = None  # [n, k]
     topk_ids: torch.Tensor | None = None  # [n, k]
-    tail_mass: torch.Tensor | None = None  # [n]
 
 
 def collate(samples: Sequence[SampleFeatures]) -> Batch:
@@ -113,6 +112,5 @@ def collate(samples: Sequence[SampleFeatures]) -> Batch:
         target_hidden=pad("target_hidden"),
         topk_logprobs=pad("topk_logprobs"),
         topk_ids=pad("topk_ids"),
-        tail_mass=pad("tail_mass"),
         sample_ids=[[s.id] for s in samples],
     )

@@ -40,7 +40,6 @@ def sample_features(
         top = torch.topk(logprobs, topk, dim=-1)
         feats.topk_logprobs = top.values.cpu()
         feats.topk_ids = top.indices.cpu()
-        feats.tail_mass = (1.0 - top.values.double().exp().sum(-1)).clamp(min=0).float().cpu()
     return feats
 
 
