@@ -252,6 +252,27 @@ def test_store_data_for_its_target_and_refused_for_another(tmp_path):
         run_data(other, cfg, rank=0, world=1)
 
 
+def test_a_flipped_byte_in_a_shard_stops_training_naming_the_shard(tmp_path):
+    from eyas.data.extract import ExtractConfig, extract
+    from eyas.data.store import CorruptShardError
+    from eyas.train.setup import run_data
+
+    target = make_tiny_target(seed=1)
+    extract(_samples(), target, tmp_path / "store", ExtractConfig(shard_size=3, progress=False))
+    shard = tmp_path / "store" / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit inside the tensor data: same size, same header
+    shard.write_bytes(bytes(data))
+    data_cfg = {"source": "store", "store_dir": str(tmp_path / "store"), "eval_fraction": 0.0}
+    data_cfg["loader"] = {"batch_rows": 2, "max_tokens": 64}
+    with pytest.raises(CorruptShardError, match=r"shard-00001\.safetensors fails its checksum") as e:
+        rd = run_data(target, tiny_cfg(tmp_path, data=data_cfg), rank=0, world=1)  # the vocabulary reads it
+        list(rd.train)
+    assert "extract.verify_resume=full" in str(e.value)
+    skip = run_data(target, tiny_cfg(tmp_path, data={**data_cfg, "verify_checksums": False}), rank=0, world=1)
+    assert sum(1 for _ in skip.train) > 0  # the flag skips the check
+
+
 @pytest.mark.parametrize("preset", ["default", "demo", "smoke"])
 def test_hydra_presets_build_typed_configs(preset):
     from hydra import compose, initialize_config_dir

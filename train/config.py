@@ -106,6 +106,9 @@ class DataSourceConfig:
     over formatted samples itself) or ``synthetic`` (random tokens through the target; smoke tests, benchmarks)."""
     store_dir: str | None = None
     """Feature store directory (``source=store``)."""
+    verify_checksums: bool = True
+    """Check each shard's sha256 against the store's manifest the first time training reads it (a damaged shard
+    stops the run, named); false skips the check."""
     samples: str | None = None
     """Formatted samples JSONL (``{"id", "input_ids", "loss_mask"}``, the chat stage's output; ``source=online``)."""
     eval_fraction: float = 0.02

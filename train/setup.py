@@ -101,7 +101,9 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
             raise ValueError(
                 "train.data.source=store needs train.data.store_dir (a store from `python -m eyas.data.extract`)"
             )
-        store = FeatureStore(cfg.data.store_dir, expect_target=target.info)
+        store = FeatureStore(
+            cfg.data.store_dir, expect_target=target.info, checksum_on_read=cfg.data.verify_checksums
+        )
 
         def make(split: str, **over: Any) -> FeatureLoader:
             return FeatureLoader(
