@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +42,10 @@ from tqdm.auto import tqdm
 
 from eyas.common import (
     ConfigError,
+    InputError,
     base_config,
     build_config,
+    ensure_out_dir,
     exit_on_config_error,
     load_job,
 )
@@ -56,6 +58,7 @@ from eyas.data.store import (
     ShardEntry,
     StoreConfigError,
     StoreError,
+    StoreMismatchError,
     StoreOptions,
     check_target,
     fsync_dir,
@@ -335,6 +338,29 @@ class _ShardWriter:
         )
 
 
+class _Counted:
+    """An iterable with a known length (for the progress bar) or none."""
+
+    def __init__(self, it: Iterator[Sample], n: int | None):
+        self.it, self.n = it, n
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self.it
+
+    def __len__(self) -> int:
+        return self.n if self.n is not None else 0
+
+
+def check_tokenizer(sample: Sample, expected: str) -> None:
+    """Refuse a sample whose ids were made by another tokenizer than the target's (when the sample says)."""
+    if sample.tokenizer is not None and sample.tokenizer != expected:
+        raise StoreMismatchError(
+            f"sample {sample.id!r} was tokenized by tokenizer {sample.tokenizer}, the target's tokenizer is "
+            f"{expected}: its token ids mean other words to this target. Re-run `eyas prepare` with this "
+            "target (target=...) and extract its samples.jsonl"
+        )
+
+
 def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
     it = iter(samples)
     while chunk := list(islice(it, size)):
@@ -378,8 +404,15 @@ def extract(
 ) -> ExtractResult:
     """Write (or resume) the feature store of ``samples`` under ``target`` at ``out_dir``; see the module doc."""
     cfg = cfg or ExtractConfig()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    total = len(samples) if hasattr(samples, "__len__") else None
+    it = iter(samples)
+    first = next(it, None)
+    if first is None:  # refused before anything is written: an empty input never becomes a complete store
+        raise InputError("no samples to extract: the input is empty (make samples with `eyas prepare`)")
+    expected_tok = target.info.tokenizer_hash
+    check_tokenizer(first, expected_tok)
+    samples = _Counted(chain([first], it), total)
+    out_dir = ensure_out_dir(out_dir, "extract.out_dir")
     codec = codec_for(target, cfg.store)
     fresh = Manifest(
         target=target.info.to_dict(),
@@ -418,7 +451,7 @@ def _extract_locked(
         )
     if listed:
         log.info("resuming %s: %d shard(s) already written", out_dir, listed - len(redo))
-    total = len(samples) if hasattr(samples, "__len__") else None
+    total = len(samples) or None
     bar = tqdm(
         total=total,
         unit="sample",
@@ -439,6 +472,8 @@ def _extract_locked(
     try:
         for k, chunk in enumerate(_chunks(samples, cfg.shard_size)):
             num_chunks = k + 1
+            for s in chunk:
+                check_tokenizer(s, target.info.tokenizer_hash)
             sha = inputs_fingerprint(chunk)
             if k < listed and k not in redo:
                 if manifest.shards[k].inputs_sha256 != sha:
@@ -521,6 +556,7 @@ def read_samples_jsonl(path: str | os.PathLike) -> Iterator[Sample]:
                     input_ids=[int(x) for x in rec["input_ids"]],
                     loss_mask=[bool(x) for x in rec["loss_mask"]],
                     source=str(rec.get("source", "")),
+                    tokenizer=rec.get("tokenizer"),
                 )
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 raise ValueError(
@@ -560,10 +596,15 @@ def run(job: ExtractJob, target=None) -> ExtractResult:
             raise ConfigError(
                 f"extract.{key} is not set: extract.samples=<samples JSONL> extract.out_dir=<dir>"
             )
+    samples = read_samples_jsonl(job.extract.samples)
+    first = next(samples, None)  # before the target is loaded: an empty file is named at once
+    if first is None:
+        raise InputError(
+            f"extract.samples={job.extract.samples}: holds no samples (the file is empty); re-run `eyas prepare` "
+            "or point extract.samples at a non-empty samples.jsonl"
+        )
     target = target if target is not None else load_target(job.target)
-    return extract(
-        read_samples_jsonl(job.extract.samples), target, job.extract.out_dir, job.extract.settings()
-    )
+    return extract(chain([first], samples), target, job.extract.out_dir, job.extract.settings())
 
 
 def main() -> None:

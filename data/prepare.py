@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from eyas.common import (
+    InputError,
     atomic_write_json,
     atomic_write_jsonl,
     build_config,
+    ensure_out_dir,
     exit_on_config_error,
     json_hash,
 )
@@ -116,13 +118,19 @@ class PrepareResult:
 
 
 # -- io ----------------------------------------------------------------------------------------------------------
-def sample_record(s: Sample) -> dict[str, Any]:
-    return {
+def sample_record(s: Sample, tokenizer: str | None = None) -> dict[str, Any]:
+    """A ``samples.jsonl`` line; ``tokenizer``: the fingerprint of the tokenizer that made the ids (extraction
+    checks it against the target's)."""
+    rec: dict[str, Any] = {
         "id": s.id,
         "source": s.source,
         "input_ids": s.input_ids,
         "loss_mask": [int(m) for m in s.loss_mask],
     }
+    fp = tokenizer or s.tokenizer
+    if fp:
+        rec["tokenizer"] = fp
+    return rec
 
 
 def read_samples(path: str | os.PathLike) -> list[Sample]:
@@ -133,6 +141,7 @@ def read_samples(path: str | os.PathLike) -> list[Sample]:
             input_ids=list(r["input_ids"]),
             loss_mask=[bool(m) for m in r["loss_mask"]],
             source=str(r.get("source", "")),
+            tokenizer=r.get("tokenizer"),
         )
         for _, r in iter_jsonl(path)
     ]
@@ -169,8 +178,10 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
     if tok is None:
         raise ValueError("prepare needs the target's tokenizer: pass target= or tokenizer=")
     name = target.info.name if target is not None else None
-    key = config_hash(cfg, tokenizer_hash(tok), name)
+    tok_fp = tokenizer_hash(tok)
+    key = config_hash(cfg, tok_fp, name)
     out = Path(cfg.out_dir) if cfg.out_dir else Path(cfg.work_dir) / "prepare" / key
+    ensure_out_dir(out, "prepare.out_dir" if cfg.out_dir else "work_dir")
     summary_path = out / "summary.json"
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
@@ -188,6 +199,7 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
     out.mkdir(parents=True, exist_ok=True)
 
     corpus: CorpusSplits = load_corpus(cfg.corpus)
+    _refuse_empty_sources(cfg.corpus, corpus)
     corpus_stats = [s.to_dict() for s in corpus.stats]
     atomic_write_json(out / "corpus.json", {"config": asdict(cfg.corpus), "stats": corpus_stats})
     splits: dict[str, SplitResult] = {}
@@ -221,7 +233,9 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
             atomic_write_jsonl(conv_path, (c.to_record() for c in convs))
         fmt = format_conversations(convs, tok, cfg.max_len, progress=cfg.progress)
         samples_path = d / "samples.jsonl"
-        atomic_write_jsonl(samples_path, (sample_record(s) for s in fmt.samples))
+        if split == "train" and not fmt.samples:
+            raise InputError(_no_samples_message(cfg, corpus, convs, fmt.stats))
+        atomic_write_jsonl(samples_path, (sample_record(s, tok_fp) for s in fmt.samples))
         splits[split] = SplitResult(
             conversations=len(convs),
             samples=len(fmt.samples),
@@ -235,6 +249,32 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
     result = PrepareResult(out_dir=out, splits=splits, corpus_stats=corpus_stats)
     atomic_write_json(summary_path, {**result.to_dict(), "complete": result.complete, "config_hash": key})
     return result
+
+
+def _source_where(src) -> str:
+    return src.path or src.dataset or src.requirement or f"the packaged {src.kind} corpus"
+
+
+def _refuse_empty_sources(corpus_cfg: CorpusConfig, corpus: CorpusSplits) -> None:
+    """A source that yields no record at all (an empty file, an empty dataset split) is a mistake, not data."""
+    read = {st.name: st.read for st in corpus.stats}
+    for src in corpus_cfg.sources:
+        if read.get(src.name, 1) == 0:
+            raise InputError(
+                f"corpus source {src.name!r} ({_source_where(src)}) holds no records: the file is empty or "
+                "nothing in it could be read; fix the file or remove the source from the corpus"
+            )
+
+
+def _no_samples_message(cfg: PrepareConfig, corpus: CorpusSplits, convs, stats: FormatStats) -> str:
+    where = ", ".join(_source_where(s) for s in cfg.corpus.sources)
+    skipped = {k: v for k, v in asdict(stats).items() if k.startswith("skipped") and v}
+    return (
+        f"corpus {cfg.corpus.name!r} ({where}) yields no training samples: {len(convs)} conversations selected, "
+        f"none usable after formatting (skipped: {skipped or 'none'}; per source: "
+        f"{[(st.name, st.read, st.skipped) for st in corpus.stats]}). Check the files hold conversations with an "
+        "assistant turn, or raise the corpus budget"
+    )
 
 
 def _result_from_summary(out: Path, d: dict[str, Any]) -> PrepareResult:

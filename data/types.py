@@ -56,6 +56,9 @@ class Sample:
     input_ids: list[int]
     loss_mask: list[bool]
     source: str = ""
+    tokenizer: str | None = None
+    """Fingerprint (``serving.target.tokenizer_hash``) of the tokenizer that made ``input_ids``; None: unknown
+    (samples made outside ``data.prepare``). Extraction refuses samples of another tokenizer."""
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):

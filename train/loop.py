@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from eyas.common import json_hash
+from eyas.common import ensure_out_dir, json_hash
 from eyas.data.types import Batch
 from eyas.serving.drafter import Eagle3Drafter
 from eyas.serving.target import TargetHead
@@ -375,7 +375,7 @@ def fit(
         **(extra_identity or {}),
     }
     chash = json_hash(identity)
-    out_dir = Path(cfg.output_dir)
+    out_dir = ensure_out_dir(cfg.output_dir, "train.output_dir")
     root = checkpoints_root(out_dir)
     resume = _resume_path(cfg, root)
 

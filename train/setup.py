@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eyas.common import build_config
+from eyas.common import build_config, ensure_out_dir
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
 from eyas.train.config import DraftModelConfig, TrainConfig, TrainJob
 from eyas.train.sources import BatchSource, ListSource
@@ -212,6 +212,7 @@ def run(job: TrainJob, target=None):
     from eyas.train.loop import fit, make_accelerator
 
     target_cfg, drafter_cfg, cfg = job.target, job.drafter, job.train
+    ensure_out_dir(cfg.output_dir, "train.output_dir")  # before minutes of loading, not after
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     acc = make_accelerator(cfg)
