@@ -596,8 +596,9 @@ def run(job: ExtractJob, target=None) -> ExtractResult:
             raise ConfigError(
                 f"extract.{key} is not set: extract.samples=<samples JSONL> extract.out_dir=<dir>"
             )
+    ensure_out_dir(job.extract.out_dir, "extract.out_dir")  # bad inputs named before the target is loaded
     samples = read_samples_jsonl(job.extract.samples)
-    first = next(samples, None)  # before the target is loaded: an empty file is named at once
+    first = next(samples, None)
     if first is None:
         raise InputError(
             f"extract.samples={job.extract.samples}: holds no samples (the file is empty); re-run `eyas prepare` "
