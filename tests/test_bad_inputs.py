@@ -140,3 +140,20 @@ def test_bad_out_dirs_are_named_in_one_line(tmp_path, tok, monkeypatch, capsys, 
         run_app(main, [f"train.output_dir={bad}", "train.data.source=synthetic"], monkeypatch, tmp_path) == 2
     )
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: train.output_dir={bad}: ")
+
+
+def test_online_training_refuses_another_tokenizers_samples(tmp_path):
+    from eyas.train.setup import run_data
+
+    from .test_train_loop import tiny_cfg
+
+    target = make_tiny_target()
+    path = tmp_path / "samples.jsonl"
+    rec = {"id": "a", "input_ids": [3, 4, 5], "loss_mask": [0, 1, 1], "tokenizer": "0123456789abcdef"}
+    path.write_text(json.dumps(rec) + "\n")
+    cfg = tiny_cfg(tmp_path / "run", data={"source": "online", "samples": str(path), "eval_fraction": 0.0})
+    with pytest.raises(StoreMismatchError, match="0123456789abcdef"):
+        run_data(target, cfg, rank=0, world=1)
+    path.write_text("")
+    with pytest.raises(InputError, match="holds no samples"):
+        run_data(target, cfg, rank=0, world=1)

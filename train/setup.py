@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eyas.common import build_config, ensure_out_dir
+from eyas.common import InputError, build_config, ensure_out_dir
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
 from eyas.train.config import DraftModelConfig, TrainConfig, TrainJob
 from eyas.train.sources import BatchSource, ListSource
@@ -121,7 +121,7 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
             "shards": [sh.sha256 for sh in store.manifest.shards],
         }
     else:
-        from eyas.data.extract import inputs_fingerprint, read_samples_jsonl
+        from eyas.data.extract import check_tokenizer, inputs_fingerprint, read_samples_jsonl
         from eyas.data.online import online_loader
         from eyas.data.store import StoreOptions
 
@@ -130,6 +130,10 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
                 "train.data.source=online needs train.data.samples (the formatted samples JSONL)"
             )
         samples = list(read_samples_jsonl(cfg.data.samples))
+        if not samples:
+            raise InputError(f"train.data.samples={cfg.data.samples}: holds no samples (the file is empty)")
+        for s in samples:  # ids made by another tokenizer mean other words to this target
+            check_tokenizer(s, target.info.tokenizer_hash)
         opts = build_config(StoreOptions, cfg.data.online, "train.data.online")
 
         def make(split: str, **over: Any) -> FeatureLoader:
