@@ -303,16 +303,19 @@ class InputError(ConfigError):
     be created); the one-line message names the path, the problem and the fix."""
 
 
-def ensure_out_dir(path: str | os.PathLike, key: str) -> Path:
+def ensure_out_dir(path: str | os.PathLike, key: str, value: str | os.PathLike | None = None) -> Path:
     """The output directory ``path`` (setting ``key``, e.g. ``extract.out_dir``), created if absent; one
     :class:`InputError` naming the path and the problem where it is a file, lies under a file or cannot be
-    created (a read-only or virtual filesystem, no permission)."""
+    created (a read-only or virtual filesystem, no permission). ``value``: the setting's value when ``path`` is
+    the directory that will hold it (an output renamed into place)."""
     p = Path(path).expanduser()
+    key = f"{key}={value if value is not None else p}"
     if p.exists() and not p.is_dir():
-        raise InputError(f"{key}={p}: is a file, not a directory; point {key} at a directory")
+        what = "is a file, not a directory" if value is None else f"cannot be created, {p} is a file"
+        raise InputError(f"{key}: {what}; point it at a directory")
     base = next((q for q in p.parents if q.exists()), Path("."))  # the nearest ancestor that exists
     if not base.is_dir():
-        raise InputError(f"{key}={p}: cannot be created, {base} is a file; point {key} at a directory")
+        raise InputError(f"{key}: cannot be created, {base} is a file; point it at a directory")
     try:
         p.mkdir(parents=True, exist_ok=True)
         probe = p / f".eyas-write-test-{os.getpid()}"
@@ -322,7 +325,7 @@ def ensure_out_dir(path: str | os.PathLike, key: str) -> Path:
         # ENOENT with an existing parent: a virtual filesystem (/proc, /sys) that takes no new entries
         why = f"{base} accepts no new directories" if e.errno == errno.ENOENT else (e.strerror or str(e))
         raise InputError(
-            f"{key}={p}: cannot be created or written ({why}); point {key} at a writable directory"
+            f"{key}: cannot be created or written ({why}); point it at a writable directory"
         ) from None
     return p
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.common import ConfigError, base_config, exit_on_config_error
+from eyas.common import ConfigError, InputError, base_config, ensure_out_dir, exit_on_config_error
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
 from eyas.serving.target import TargetConfig
@@ -546,6 +546,10 @@ def export(
     problems += check_tensors(tensors, drafter.config, include)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.overwrite:
         problems.append(f"{out} exists and is not empty (set overwrite=True to replace it)")
+    try:  # where the export will be renamed into place
+        ensure_out_dir(out.parent, "export.out_dir", value=out)
+    except InputError as e:
+        problems.append(str(e))
     if problems:
         raise ExportError("cannot export the drafter:\n  - " + "\n  - ".join(problems))
 

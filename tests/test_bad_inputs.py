@@ -129,10 +129,19 @@ def test_bad_out_dirs_are_named_in_one_line(tmp_path, tok, monkeypatch, capsys, 
         prepare(cfg, tokenizer=tok)
     msg = str(e.value)
     assert msg.startswith(f"prepare.out_dir={bad}: ") and why in msg and "\n" not in msg
-    assert "point prepare.out_dir at a" in msg
+    assert "point it at a" in msg
     samples = [Sample(id="x", input_ids=[3, 4, 5], loss_mask=[False, True, True])]
     with pytest.raises(InputError, match=rf"^extract.out_dir={bad}: .*{why}"):
         extract(samples, make_tiny_target(), bad, ExtractConfig(progress=False))
+    # export: refused with the other problems, before anything is written
+    from eyas.serving.export import ExportError, export
+
+    from .test_train_loop import tiny_setup
+
+    target, drafter, _ = tiny_setup(num_samples=2)
+    exp = bad if case != "file" else bad / "drafter"  # a file itself is the overwrite rule's to refuse
+    with pytest.raises(ExportError, match=rf"export.out_dir={exp}: cannot be created"):
+        export(drafter, target, exp)
     # the training command: one line on stderr, exit status 2, before the target is loaded
     from eyas.train.__main__ import main
 
