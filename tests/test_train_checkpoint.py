@@ -195,3 +195,26 @@ def test_a_truncated_checkpoint_file_is_named_with_the_way_out(tmp_path, damaged
     msg = str(e.value)
     assert str(path) in msg and damaged in msg
     assert "train.resume=never" in msg and "train.resume=" in msg
+
+
+def test_without_directory_swaps_an_interrupted_resave_is_recovered(tmp_path, monkeypatch):
+    """On filesystems without RENAME_EXCHANGE (NFS) a re-save renames the old step aside first; a crash between
+    the two renames is undone when the checkpoints are next listed."""
+    from eyas.train.checkpoint import latest_checkpoint
+
+    drafter, model, acc, opt, sched = _stub_run(tmp_path)
+    root = tmp_path / "checkpoints"
+    kw = dict(accelerator=acc, model=model, optimizer=opt, scheduler=sched, drafter_config={}, keep_last=3)
+    save_checkpoint(root, _state(2, tokens=10), data_state={"pos": 1}, **kw)
+    monkeypatch.setattr(eyas.common, "_exchange", lambda a, b: False)
+    with monkeypatch.context() as m:
+        # steps: trainer_state.json's rename, the swap (refused), the old step aside, the new one in place
+        calls = _crash_at(m, 4)
+        with pytest.raises(Crash):
+            save_checkpoint(root, _state(2, tokens=20), data_state={"pos": 1}, **kw)
+    assert calls == ["replace", "exchange", "replace", "replace"]
+    assert not (root / "step_00000002").exists()
+    assert latest_checkpoint(root) == root / "step_00000002"
+    assert TrainerState.read(root / "step_00000002").tokens_seen == 10
+    save_checkpoint(root, _state(2, tokens=20), data_state={"pos": 1}, **kw)
+    assert TrainerState.read(root / "step_00000002").tokens_seen == 20

@@ -25,6 +25,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,7 +41,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from eyas.common import atomic_write_bytes, atomic_write_json, fsync_file, fsync_tree, replace_dir
+from eyas.common import (
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_file,
+    fsync_tree,
+    recover_dir,
+    replace_dir,
+)
 from eyas.serving.drafter import WEIGHTS_FILE, save_drafter_weights
 from eyas.train.config import diff_identity
 
@@ -127,6 +135,9 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
+    for old in root.glob(".step_*.old"):  # a re-save interrupted where the filesystem cannot swap directories
+        with contextlib.suppress(FileNotFoundError):  # another process put it back first
+            recover_dir(root / old.name[1:-4])
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
