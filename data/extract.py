@@ -49,6 +49,7 @@ from eyas.common import (
     exit_on_config_error,
     load_job,
 )
+from eyas.data.corpora.readers import iter_jsonl
 from eyas.data.store import (
     MANIFEST,
     BytesPerToken,
@@ -545,24 +546,22 @@ def read_samples_jsonl(path: str | os.PathLike) -> Iterator[Sample]:
         raise FileNotFoundError(
             f"samples file {path} does not exist (make it with the chat-formatting stage)"
         )
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                yield Sample(
-                    id=str(rec["id"]),
-                    input_ids=[int(x) for x in rec["input_ids"]],
-                    loss_mask=[bool(x) for x in rec["loss_mask"]],
-                    source=str(rec.get("source", "")),
-                    tokenizer=rec.get("tokenizer"),
-                )
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise ValueError(
-                    f"{path}:{lineno}: malformed sample record ({type(e).__name__}: {e}); expected "
-                    '{"id": str, "input_ids": [int], "loss_mask": [bool]}'
-                ) from e
+    # iter_jsonl names the line of a non-UTF-8 byte or malformed JSON
+    for lineno, rec in iter_jsonl(path):
+        try:
+            sample = Sample(
+                id=str(rec["id"]),
+                input_ids=[int(x) for x in rec["input_ids"]],
+                loss_mask=[bool(x) for x in rec["loss_mask"]],
+                source=str(rec.get("source", "")),
+                tokenizer=rec.get("tokenizer"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"{path}:{lineno}: malformed sample record ({type(e).__name__}: {e}); expected "
+                '{"id": str, "input_ids": [int], "loss_mask": [bool]}'
+            ) from e
+        yield sample
 
 
 # -- entry point ----------------------------------------------------------------------------------------------------

@@ -166,3 +166,12 @@ def test_online_training_refuses_another_tokenizers_samples(tmp_path):
     path.write_text("")
     with pytest.raises(InputError, match="holds no samples"):
         run_data(target, cfg, rank=0, world=1)
+
+
+def test_a_non_utf8_samples_file_is_named_with_its_line(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    good = json.dumps({"id": "a", "input_ids": [3, 4], "loss_mask": [0, 1]}).encode()
+    path.write_bytes(good + b"\n" + b'{"id": "b\xff", "input_ids": [3], "loss_mask": [1]}\n')
+    with pytest.raises(Exception, match=rf"{path}:2") as e:
+        list(read_samples_jsonl(path))
+    assert not isinstance(e.value, UnicodeDecodeError)
