@@ -181,7 +181,10 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
     tok_fp = tokenizer_hash(tok)
     key = config_hash(cfg, tok_fp, name)
     out = Path(cfg.out_dir) if cfg.out_dir else Path(cfg.work_dir) / "prepare" / key
-    ensure_out_dir(out, "prepare.out_dir" if cfg.out_dir else "work_dir")
+    if cfg.out_dir:
+        ensure_out_dir(out, "prepare.out_dir")
+    else:
+        ensure_out_dir(out, "work_dir", value=cfg.work_dir)
     summary_path = out / "summary.json"
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
@@ -196,7 +199,6 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
             log.info("prepare: reusing the finished output in %s", out)
             return _result_from_summary(out, summary)
         log.info("prepare: %s holds a partly regenerated corpus; continuing the regeneration", out)
-    out.mkdir(parents=True, exist_ok=True)
 
     corpus: CorpusSplits = load_corpus(cfg.corpus)
     _refuse_empty_sources(cfg.corpus, corpus)
