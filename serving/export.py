@@ -50,7 +50,7 @@ from torch import nn
 from eyas.common import ConfigError, base_config, exit_on_config_error
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
-from eyas.serving.target import TargetConfig
+from eyas.serving.target import TargetConfig, aux_layer_problem
 
 log = logging.getLogger(__name__)
 
@@ -329,12 +329,9 @@ def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportCon
     n_aux = len(c.aux_layer_ids)
     if n_aux != 3:
         problems.append(f"the drafter fuses {n_aux} aux layers; SGLang and vLLM build fc for exactly 3")
-    bad = [i for i in c.aux_layer_ids if not 0 <= i < spec.num_layers]
-    if bad:
-        problems.append(
-            f"aux layer ids {bad} are outside the target's {spec.num_layers} layers "
-            f"(SGLang ids 0..{spec.num_layers - 1})"
-        )
+    aux_problem = aux_layer_problem(c.aux_layer_ids, spec.num_layers)
+    if aux_problem:
+        problems.append(aux_problem)
     if spec.aux_layers is not None and tuple(spec.aux_layers) != tuple(c.aux_layer_ids):
         problems.append(
             f"the drafter was built for aux layers {list(c.aux_layer_ids)} but the target runner "
@@ -692,6 +689,8 @@ def _drafter_config_from(
         )
     except KeyError as e:
         raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e
+    except ValueError as e:
+        raise ExportError(f"{path}: {e}") from e
 
 
 def load_exported(
