@@ -198,7 +198,7 @@ def test_speculative_greedy_equals_plain_greedy(arch, kind, mode):
     target, prompt, ref = tiny_case(arch)
     res = generate(target, proposer_for(kind, target, prompt, ref), prompt, N_NEW, mode=mode)
     assert res.tokens == ref
-    assert len(res.steps) >= 1 and 1 + sum(s.num_emitted for s in res.steps) >= len(res.tokens)
+    assert len(res.steps) >= 1 and 1 + sum(s.num_emitted for s in res.steps) == len(res.tokens)
     if kind == "oracle":  # drafts that are right most of the time must be accepted most of the time
         assert res.tau > 2.0
     if arch == "llama" and kind in ("eagle3_copy", "prompt_lookup"):
@@ -401,6 +401,25 @@ def test_stops_at_eos_and_at_max_new_tokens_exactly():
     for n in (1, 2, 9):
         res = generate(target, OracleProposer(ref, prompt.numel(), k=6), prompt, n, mode="chain")
         assert res.tokens == ref[:n] and res.stop_reason == "length"
+
+
+def test_step_statistics_count_only_tokens_emitted_before_eos():
+    """An EOS among a step's accepted drafts ends the output there: the drafts accepted after it are never
+    emitted, so they count neither as accepted nor as emitted (tau and acceptance describe the output)."""
+    target, prompt, ref = tiny_case("llama")
+    k = 4
+    # an EOS that is one of the first k - 1 drafts of a step (steps emit ref[1 + i(k+1) .. (i+1)(k+1)])
+    first = next(i for i in range(1, len(ref)) if ref.index(ref[i]) == i and (i - 1) % (k + 1) < k - 1)
+    perfect = OracleProposer(ref, prompt.numel(), k=k)
+    perfect._wrong = lambda t: t  # noqa: SLF001  (never plant an error)
+    res = generate(target, perfect, prompt, N_NEW, mode="chain", eos_token_ids=[ref[first]])
+    assert res.tokens == ref[: first + 1] and res.stop_reason == "eos"
+    last = res.steps[-1]
+    in_step = (first - 1) % (k + 1) + 1  # tokens of the last step up to and including the EOS
+    assert (last.num_accepted, last.num_emitted) == (in_step, in_step)
+    assert [s.num_accepted for s in res.steps[:-1]] == [k] * (len(res.steps) - 1)
+    assert 1 + sum(s.num_emitted for s in res.steps) == len(res.tokens)
+    assert res.tau == (len(res.tokens) - 1) / len(res.steps)
 
 
 def test_context_limit_stops_generation():
