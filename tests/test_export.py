@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 
 import pytest
 import torch
@@ -320,14 +322,65 @@ def test_embedding_scale_needs_consent(tmp_path):
 def test_existing_export_is_kept_unless_overwrite(tmp_path):
     d, cfg = make_drafter()
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("earlier work")
-    with pytest.raises(ExportError, match="exists and is not empty"):
+    export(d, spec_for(cfg), out, config=ExportConfig(dtype="float32"))
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ExportError, match=r"exists and is not empty \(set export.overwrite=true"):
         export(d, spec_for(cfg), out)
-    assert (out / "keep.txt").read_text() == "earlier work"
-    export(d, spec_for(cfg), out, config=ExportConfig(overwrite=True))
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").read_bytes() == before
+    export(d, spec_for(cfg), out, config=ExportConfig(overwrite=True))  # bfloat16 now
+    assert (out / "model.safetensors").read_bytes() != before
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary directories left behind
+
+
+def test_overwrite_replaces_only_an_earlier_export(tmp_path):
+    """A directory holding anything else than an export's files, or one without the eyas sidecar, is refused
+    even with overwrite, and nothing in it changes; a plain file is never replaced."""
+    d, cfg = make_drafter()
+    overwrite = ExportConfig(overwrite=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("earlier work")
+    with pytest.raises(ExportError, match=r"other holds \['keep.txt'\]: it is not an earlier eyas export"):
+        export(d, spec_for(cfg), other, config=overwrite)
+    assert [p.name for p in other.iterdir()] == ["keep.txt"]
+
+    extra = tmp_path / "extra"
+    export(d, spec_for(cfg), extra)
+    (extra / "notes.md").write_text("mine")
+    with pytest.raises(ExportError, match=r"extra holds \['notes.md'\]"):
+        export(d, spec_for(cfg), extra, config=overwrite)
+    assert (extra / "notes.md").read_text() == "mine"
+
+    foreign = tmp_path / "foreign"  # a model directory of the same shape, not written by eyas
+    foreign.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (foreign / name).write_text("{}")
+    with pytest.raises(
+        ExportError, match="foreign has no eyas_export.json: it is not an earlier eyas export"
+    ):
+        export(d, spec_for(cfg), foreign, config=overwrite)
+    assert (foreign / "config.json").read_text() == "{}"
+
+    plain = tmp_path / "plain"
+    plain.write_text("a file")
+    with pytest.raises(ExportError, match="plain is a file, not a directory"):
+        export(d, spec_for(cfg), plain, config=overwrite)
+    assert plain.read_text() == "a file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra", "foreign", "other", "plain"]
+
+
+def test_exported_files_are_readable_by_others(tmp_path):
+    d, cfg = make_drafter()
+    old = os.umask(0o077)  # a private umask must not make the export private
+    try:
+        export(d, spec_for(cfg), tmp_path / "out", "speculators")
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644, "eyas_export.json": 0o644}
 
 
 def test_the_target_embedding_is_written_when_given(tmp_path):
