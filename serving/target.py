@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.common import ConfigError
 from eyas.serving.kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class TargetConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"target.dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"target.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, not "
                 f"{self.attn_implementation!r}: the loop passes custom 4-D masks that other backends ignore"
             )
@@ -79,7 +80,7 @@ class TargetConfig:
             self.aux_layers = [int(i) for i in self.aux_layers]
             problem = aux_layer_problem(self.aux_layers)
             if problem:
-                raise ValueError(f"target.aux_layers: {problem}")
+                raise ConfigError(f"target.aux_layers: {problem}")
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,10 @@ def test_slot_cache_incremental_equals_full_forward(arch):
 
 
 def test_aux_layer_ids_must_increase_and_stop_before_the_last_layer():
+    from eyas.common import ConfigError, build_config
     from eyas.serving.target import TargetConfig, target_from_model
     from eyas.serving.tiny import tiny_model
+    from eyas.train.config import TrainJob
 
     from .conftest import _TinyTokenizer
 
@@ -66,11 +68,12 @@ def test_aux_layer_ids_must_increase_and_stop_before_the_last_layer():
             ValueError, match=re.escape(f"aux layer ids {ids} are invalid (") + why + r".*\[0, L-2\]"
         ):
             target_from_model(model, _TinyTokenizer(256), aux_layers=ids)
+    # the training job's config refuses them in one line, before any model loads
     with pytest.raises(
-        ValueError, match=r"target.aux_layers: aux layer ids \[2, 1\] .*not strictly increasing"
+        ConfigError, match=r"^target.aux_layers: aux layer ids \[2, 1\] .*not strictly increasing"
     ):
-        TargetConfig(aux_layers=[2, 1])
-    with pytest.raises(ValueError, match=r"-1 negative"):
+        build_config(TrainJob, {"target": {"aux_layers": [2, 1]}})
+    with pytest.raises(ConfigError, match=r"-1 negative"):
         TargetConfig(aux_layers=[-1, 1])
     assert target_from_model(model, _TinyTokenizer(256), aux_layers=[0, 2]).aux_layers == (0, 2)
 
