@@ -284,7 +284,7 @@ class _DrafterBench:
         pos = torch.arange(m, device=dev)
         cache.prepare(pos, m)
         causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril()[None, None]
-        out = drafter(ids[1 : m + 1][None], aux[:m][None], pos[None], cache, causal)
+        out = drafter(ids[1 : m + 1][None], aux[:m][None], pos[None], cache, causal, hidden_is_aux=True)
         cache.commit(m)
         self.m = m
         self.hidden = out.hidden[:, -1:]
@@ -300,7 +300,14 @@ class _DrafterBench:
 
             def ctx_rows():
                 cache.prepare(rpos, m + r)
-                drafter(ids[m + 1 : m + r + 1][None], aux[m : m + r][None], rpos[None], cache, rmask)
+                drafter(
+                    ids[m + 1 : m + r + 1][None],
+                    aux[m : m + r][None],
+                    rpos[None],
+                    cache,
+                    rmask,
+                    hidden_is_aux=True,
+                )
 
             ctx_ms = time_ms(ctx_rows, cfg.repeats, dev, cfg.statistic)
         else:
@@ -311,7 +318,7 @@ class _DrafterBench:
 
         def draft_row():
             cache.prepare(slot, length + 1)
-            o = drafter(ids[length : length + 1][None], hidden, slot[None], cache, smask)
+            o = drafter(ids[length : length + 1][None], hidden, slot[None], cache, smask, hidden_is_aux=False)
             o.logits.argmax(-1)
 
         step_ms = time_ms(draft_row, cfg.repeats, dev, cfg.statistic)
@@ -324,7 +331,7 @@ class _DrafterBench:
 
             def rows_once(mpos=mpos, mmask=mmask, maux=maux, rows=rows):
                 cache.prepare(mpos, length + rows)
-                drafter(ids[1 : rows + 1][None], maux[None], mpos[None], cache, mmask)
+                drafter(ids[1 : rows + 1][None], maux[None], mpos[None], cache, mmask, hidden_is_aux=True)
 
             rows_ms[rows] = time_ms(rows_once, cfg.repeats, dev, cfg.statistic)
         return _DrafterTimes(ctx_ms, step_ms, rows_ms)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.serving.kv_cache import SlotCache
+from eyas.serving.target import aux_layer_problem
 
 WEIGHTS_FILE = "drafter.safetensors"
 """Trainable weights of a drafter checkpoint (everything but the frozen target embedding)."""
@@ -50,7 +51,8 @@ class DrafterConfig:
     draft_vocab_size: int
     """Size of the reduced output vocabulary (the N most frequent loss-masked target tokens)."""
     aux_layer_ids: list[int]
-    """Target layers whose outputs are fused (SGLang convention: output of decoder layer i)."""
+    """Target layers whose outputs are fused (SGLang convention: output of decoder layer i); strictly increasing,
+    at most L-2 for an L-layer target (``serving.target.AUX_RULE``)."""
     max_position_embeddings: int
     """The target's; never smaller than the contexts the drafter will serve."""
     rope_parameters: dict[str, Any] = field(
@@ -76,8 +78,10 @@ class DrafterConfig:
             raise ValueError("draft_vocab_size must be positive")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if len(self.aux_layer_ids) < 1:
-            raise ValueError("aux_layer_ids must name at least one target layer")
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        problem = aux_layer_problem(self.aux_layer_ids)
+        if problem:
+            raise ValueError(f"drafter aux_layer_ids: {problem}")
         if "rope_type" not in self.rope_parameters:
             self.rope_parameters = {"rope_type": "default", **self.rope_parameters}
 
@@ -168,8 +172,9 @@ class Rotary(nn.Module):
             max_position_embeddings=cfg.max_position_embeddings,
             rope_parameters=dict(cfg.rope_parameters),
         )
-        if rope_type == "default":
-            dim = cfg.head_dim
+        if rope_type == "default":  # transformers v5 keeps it per model class, not in ROPE_INIT_FUNCTIONS
+            # partial rope (GLM, NeoX, ...): only the first head_dim * factor dims of each head rotate
+            dim = int(cfg.head_dim * float(cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
             base = float(cfg.rope_parameters.get("rope_theta", 10000.0))
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
@@ -190,8 +195,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, d]; cos/sin: [B, T, d]."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    """x: [B, heads, T, d]; cos/sin: [B, T, r] with r <= d: the first r dims rotate, the rest pass (partial rope)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos[:, None] + _rotate_half(rot) * sin[:, None], rest], dim=-1)
 
 
 class Attention(nn.Module):
@@ -349,14 +358,14 @@ class Eagle3Drafter(nn.Module):
         e = self.embed_tokens(input_ids)
         return e * self.config.embed_scale if self.config.embed_scale != 1.0 else e
 
-    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``fc`` over concatenated aux states; H-wide hidden states (own outputs) pass through."""
-        if (
-            hidden.shape[-1] == self.config.hidden_size
-            and self.config.fc_in_features != self.config.hidden_size
-        ):
-            return hidden
-        return self.fc(hidden.to(self.fc.weight.dtype))
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """``fc`` over the target's concatenated aux states: [..., n_aux * H] -> [..., H]."""
+        if aux.shape[-1] != self.config.fc_in_features:
+            raise ValueError(
+                f"aux states of width {aux.shape[-1]}; this drafter fuses {len(self.config.aux_layer_ids)} "
+                f"aux layers of width {self.config.target_hidden_size} ({self.config.fc_in_features})"
+            )
+        return self.fc(aux.to(self.fc.weight.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (fp32) from pre-norm outputs."""
@@ -373,12 +382,25 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor,
         cache: SlotCache,
         attention_mask: torch.Tensor,
+        *,
+        hidden_is_aux: bool,
         logits: str = "all",
     ) -> DrafterOutput:
         """Rows ``(hidden, input_ids)`` at ``position_ids`` ([B, q]); keys/values written at the slots declared by
         ``cache.prepare``; ``attention_mask`` [B, 1, q, kv_len] bool (True = may attend).
+        ``hidden_is_aux``: True for context rows, whose ``hidden`` is the target's aux states [B, q, n_aux * H]
+        (fused by ``fc``); False for draft rows, whose ``hidden`` is this drafter's own output [B, q, H]. Said by
+        the caller, not guessed from the width: with one aux layer both are H wide.
         ``logits``: ``all`` rows, or only the ``last`` one ([B, 1, draft_vocab]; context rows need no others)."""
-        h = self.fuse(hidden)
+        if hidden_is_aux:
+            h = self.fuse(hidden)
+        elif hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"draft rows take the drafter's own output (width {self.config.hidden_size}), got width "
+                f"{hidden.shape[-1]}; pass hidden_is_aux=True for the target's aux states"
+            )
+        else:
+            h = hidden
         e = self.embed(input_ids).to(h.dtype)
         cos, sin = self.rotary(position_ids, h.dtype)
         attn = self.midlayer.self_attn
@@ -502,7 +524,11 @@ def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Ea
         raise FileNotFoundError(
             f"{directory} is not a drafter checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE})"
         )
-    drafter = Eagle3Drafter(DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text())))
+    try:
+        config = DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{directory / CONFIG_FILE}: {e}") from e
+    drafter = Eagle3Drafter(config)
     missing, unexpected = drafter.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:

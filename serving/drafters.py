@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, is_drafter_checkpoint, load_trained_drafter
-from eyas.serving.target import Target
+from eyas.serving.target import Target, aux_layer_problem
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 FORMATS = ("sglang", "speculators", "trainer")
@@ -132,4 +132,7 @@ def load_drafter(
         from eyas.serving.export import load_exported
 
         drafter = load_exported(path, embedding=target, dtype=target.dtype, device=target.device)
+    problem = aux_layer_problem(drafter.config.aux_layer_ids, len(target.layers))
+    if problem:
+        raise DrafterLoadError(f"drafter {path} does not fit target {target.info.name}: {problem}")
     return LoadedDrafter(drafter.eval(), str(path), True)

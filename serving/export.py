@@ -26,7 +26,10 @@ Design decisions (what each consumer does was read from its own model-loading co
 - dtype: ``torch_dtype`` and ``dtype`` both written. Float tensors are cast to :attr:`ExportConfig.dtype`;
   ``d2t`` stays int64 and ``t2d`` bool.
 - Every check runs before anything is written; the directory is written under a temporary name and renamed
-  into place, so a failed export never leaves a half-written checkpoint or destroys an earlier one.
+  into place, so a failed export never leaves a half-written checkpoint or destroys an earlier one. ``overwrite``
+  replaces only an earlier eyas export (its ``eyas_export.json`` and nothing but export files), never a directory
+  holding anything else or a plain file. Files are written 0644 and the directory 0755, whatever the umask: the
+  server reading them often runs as another user.
 - ``eyas_export.json`` beside the checkpoint records what produced it (target name, tokenizer hash, SGLang aux
   ids, embed scale); no server reads it, and :func:`load_exported` works without it.
 """
@@ -50,7 +53,7 @@ from torch import nn
 from eyas.common import ConfigError, InputError, base_config, ensure_out_dir, exit_on_config_error
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
-from eyas.serving.target import TargetConfig
+from eyas.serving.target import TargetConfig, aux_layer_problem
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,10 @@ FORMATS = ("sglang", "speculators")
 SPECULATORS_ARCH = "Eagle3Speculator"
 EYAS_SIDECAR = "eyas_export.json"
 WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+EXPORT_FILES = frozenset({CONFIG, WEIGHTS, EYAS_SIDECAR})
+"""What an export directory holds: ``overwrite`` replaces a directory holding these (sidecar included) only."""
+FILE_MODE, DIR_MODE = 0o644, 0o755  # servers often run as another user than the one exporting
 EMBED = "embed_tokens.weight"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -87,7 +94,8 @@ class ExportConfig:
     """Allow a drafter that scales its embedding (Gemma). SGLang/vLLM's Llama EAGLE-3 never scale it, so such an
     export runs slightly differently there (``input_layernorm`` removes the scale up to its epsilon)."""
     overwrite: bool = False
-    """Replace an existing non-empty output directory (after the new one is completely written)."""
+    """Replace an earlier eyas export in the output directory (after the new one is completely written). A
+    directory holding anything else than an export's files (``EXPORT_FILES``) is never replaced."""
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -329,12 +337,9 @@ def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportCon
     n_aux = len(c.aux_layer_ids)
     if n_aux != 3:
         problems.append(f"the drafter fuses {n_aux} aux layers; SGLang and vLLM build fc for exactly 3")
-    bad = [i for i in c.aux_layer_ids if not 0 <= i < spec.num_layers]
-    if bad:
-        problems.append(
-            f"aux layer ids {bad} are outside the target's {spec.num_layers} layers "
-            f"(SGLang ids 0..{spec.num_layers - 1})"
-        )
+    aux_problem = aux_layer_problem(c.aux_layer_ids, spec.num_layers)
+    if aux_problem:
+        problems.append(aux_problem)
     if spec.aux_layers is not None and tuple(spec.aux_layers) != tuple(c.aux_layer_ids):
         problems.append(
             f"the drafter was built for aux layers {list(c.aux_layer_ids)} but the target runner "
@@ -544,12 +549,14 @@ def export(
             emb = drafter.embed_tokens.weight
         tensors[EMBED] = emb.detach().cpu()
     problems += check_tensors(tensors, drafter.config, include)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not cfg.overwrite:
-        problems.append(f"{out} exists and is not empty (set overwrite=True to replace it)")
-    try:  # where the export will be renamed into place
-        ensure_out_dir(out.parent, "export.out_dir", value=out)
-    except InputError as e:
-        problems.append(str(e))
+    out_problem = output_dir_problem(out, cfg.overwrite)
+    if out_problem:
+        problems.append(out_problem)
+    else:
+        try:  # where the export will be renamed into place
+            ensure_out_dir(out.parent, "export.out_dir", value=out)
+        except InputError as e:
+            problems.append(str(e))
     if problems:
         raise ExportError("cannot export the drafter:\n  - " + "\n  - ".join(problems))
 
@@ -593,6 +600,28 @@ def export_speculators(drafter: Eagle3Drafter, target, out_dir, **kw: Any) -> Ex
     return export(drafter, target, out_dir, config=ExportConfig(fmt="speculators", **kw), embedding=embedding)
 
 
+def output_dir_problem(out: Path, overwrite: bool) -> str | None:
+    """Why ``out`` may not receive an export, else None: it may be absent, an empty directory or, with
+    ``overwrite``, an earlier eyas export (its ``eyas_export.json`` and nothing outside ``EXPORT_FILES``)."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"{out} is a file, not a directory; choose another export.out_dir (overwrite never replaces a file)"
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return None
+    if not overwrite:
+        return f"{out} exists and is not empty (set export.overwrite=true to replace an earlier export there)"
+    others = sorted(names - EXPORT_FILES)
+    if others or EYAS_SIDECAR not in names:
+        held = f"holds {others}" if others else f"has no {EYAS_SIDECAR}"
+        return (
+            f"{out} {held}: it is not an earlier eyas export, and overwrite replaces only those "
+            f"({', '.join(sorted(EXPORT_FILES))}); choose another export.out_dir or empty this one yourself"
+        )
+    return None
+
+
 def _write_atomically(
     out: Path, cfg_json: dict, tensors: dict[str, torch.Tensor], sidecar: dict, overwrite: bool
 ) -> None:
@@ -605,17 +634,22 @@ def _write_atomically(
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+        (tmp / CONFIG).write_text(json.dumps(cfg_json, indent=2) + "\n")
         (tmp / EYAS_SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str) + "\n")
+        for name in EXPORT_FILES:  # safetensors writes 0600; servers may run as another user
+            (tmp / name).chmod(FILE_MODE)
+        tmp.chmod(DIR_MODE)
         old = None
         if out.exists():
-            if not overwrite and (not out.is_dir() or any(out.iterdir())):
-                raise ExportError(f"{out} appeared while exporting; not overwriting it")
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-        tmp.rename(out)
+            problem = output_dir_problem(out, overwrite)
+            if problem:
+                raise ExportError(f"{out} changed while exporting; not replacing it: {problem}")
+            if any(out.iterdir()):
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                out.rename(old)
+        tmp.rename(out)  # replaces an empty directory
         if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+            shutil.rmtree(old)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -696,6 +730,8 @@ def _drafter_config_from(
         )
     except KeyError as e:
         raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e
+    except ValueError as e:
+        raise ExportError(f"{path}: {e}") from e
 
 
 def load_exported(

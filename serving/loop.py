@@ -46,14 +46,11 @@ class StepStats:
     context_len: int  # tokens committed in the target cache before the step (the verify forward's prefix)
     num_drafted: int  # draft tokens verified (tree nodes without the root)
     draft_depth: int  # longest draft path in the proposal
-    num_accepted: int  # draft tokens accepted; the step emits num_accepted + 1 tokens (the +1 is the bonus)
+    num_accepted: int  # draft tokens accepted and emitted (none past an EOS the step emitted)
+    num_emitted: int  # tokens emitted: num_accepted + the bonus token, unless an EOS ended the step earlier
     draft_s: float  # proposer.propose + proposer.accept (all drafter work of the step)
     verify_s: float  # target forward over the pending token and the draft, verification, cache keep
     step_s: float  # the whole step, wall clock
-
-    @property
-    def num_emitted(self) -> int:
-        return self.num_accepted + 1
 
 
 @dataclass
@@ -282,17 +279,20 @@ def generate(
         t3 = _clock(dev)
         new = res.tokens.tolist()
         seq[length + 1 : length + 1 + len(new)] = res.tokens
+        before = len(emitted)
         for tok in new[: max_new_tokens - len(emitted)]:
             emitted.append(tok)
             if tok in eos:
                 result.stop_reason = "eos"
                 break
+        num_emitted = len(emitted) - before  # accepted drafts past an EOS are not output: not counted
         result.steps.append(
             StepStats(
                 context_len=length,
                 num_drafted=tree.num_draft,
                 draft_depth=tree.max_depth,
-                num_accepted=res.num_accepted,
+                num_accepted=min(res.num_accepted, num_emitted),
+                num_emitted=num_emitted,
                 draft_s=(t1 - t0) + (t3 - t2),
                 verify_s=t2 - t1,
                 step_s=t3 - t0,

@@ -226,7 +226,13 @@ class Eagle3Proposer:
         mask = torch.ones(m, start + m, dtype=torch.bool, device=dev).tril(diagonal=start)  # causal over rows
         cache.prepare(pos, start + m)
         out = self.drafter(
-            ids[None], accepted.aux[None].to(dev), pos[None], cache, mask[None, None], logits="last"
+            ids[None],
+            accepted.aux[None].to(dev),
+            pos[None],
+            cache,
+            mask[None, None],
+            hidden_is_aux=True,
+            logits="last",
         )
         cache.commit(m)
         self._hidden = out.hidden[:, -1:]
@@ -253,7 +259,7 @@ class Eagle3Proposer:
         k = tokens.numel()
         self.cache.prepare(slots, mask.shape[-1])
         pos = torch.full((1, k), position, dtype=torch.long, device=tokens.device)
-        return self.drafter(tokens[None], hidden, pos, self.cache, mask[None, None])
+        return self.drafter(tokens[None], hidden, pos, self.cache, mask[None, None], hidden_is_aux=False)
 
     def _propose_chain(self, ctx: DraftContext) -> DraftProposal:
         k = min(self.cfg.chain_length, ctx.max_depth, ctx.max_tokens)

@@ -6,7 +6,11 @@ Design decisions:
   forward hooks on the decoder layers, so no other layer's states are kept (``output_hidden_states`` would hold
   all L+1 of them).
 - Aux layer ids follow SGLang's convention: id ``i`` is the *output* of decoder layer ``i`` (transformers'
-  ``hidden_states[i + 1]``). Default for an L-layer target: ``[1, L//2 - 1, L - 4]``.
+  ``hidden_states[i + 1]``). Default for an L-layer target: ``[1, L//2 - 1, L - 4]``. Ids must be strictly
+  increasing and at most L-2 (:data:`AUX_RULE`), checked wherever ids enter (configs, targets, drafters, export).
+- Custom masks: the loop passes 4-D bool masks, which transformers hands to the attention as they are. ``sdpa``
+  reads bool masks; ``eager`` adds the mask to its scores, so they are converted to additive float masks for it;
+  other backends (flash, flex) would ignore them and are refused.
 - Logits are computed from the final hidden state with the target's own head and logit post-processing
   (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``), only at the positions requested. The same
   :class:`TargetHead` lets the trainer recompute logits from stored hidden states.
@@ -27,11 +31,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.common import ConfigError
 from eyas.serving.kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+AUX_RULE = (
+    "aux layer ids must be strictly increasing and lie in [0, L-2] for an L-layer target: SGLang and vLLM "
+    "capture id i as the input of layer i + 1 (so L-1 is never captured), in layer order (fc's input blocks "
+    "follow that order)"
+)
 
 
 @dataclass
@@ -54,13 +65,22 @@ class TargetConfig:
     trust_remote_code: bool = False
     """Passed to transformers for models whose code lives on the hub."""
     attn_implementation: str = "sdpa"
-    """transformers attention backend; ``sdpa`` and ``eager`` accept the custom masks that tree verify needs."""
+    """transformers attention backend: ``sdpa`` or ``eager``, the two that take the custom 4-D masks prefill and
+    tree verify pass (eager gets them as additive float masks); flash and flex kernels would ignore them."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"target.dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ConfigError(
+                f"target.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, not "
+                f"{self.attn_implementation!r}: the loop passes custom 4-D masks that other backends ignore"
+            )
         if self.aux_layers is not None:
             self.aux_layers = [int(i) for i in self.aux_layers]
+            problem = aux_layer_problem(self.aux_layers)
+            if problem:
+                raise ConfigError(f"target.aux_layers: {problem}")
 
 
 @dataclass(frozen=True)
@@ -91,13 +111,32 @@ class TargetOutput:
     logits: torch.Tensor | None = None  # [B, T', V] at the requested positions, fp32
 
 
+def aux_layer_problem(ids, num_layers: int | None = None) -> str | None:
+    """What is wrong with aux layer ids ``ids`` (for a ``num_layers``-layer target when given), else None."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        return "no aux layer ids given; " + AUX_RULE
+    top = None if num_layers is None else num_layers - 2
+    what = []
+    bad = [i for i in ids if i < 0 or (top is not None and i > top)]
+    if bad:
+        where = "negative" if top is None else f"outside [0, {top}] for a {num_layers}-layer target"
+        what.append(f"{', '.join(map(str, bad))} {where}")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        what.append("not strictly increasing")
+    if not what:
+        return None
+    return f"aux layer ids {ids} are invalid ({'; '.join(what)}): {AUX_RULE}"
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
-    """SGLang's EAGLE-3 default: outputs of layers 1, L//2 - 1 and L - 4."""
-    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    """SGLang's EAGLE-3 default: outputs of layers 1, L//2 - 1 and L - 4; for targets under 8 layers (tiny test
+    models, where that formula collides) the distinct ids among first, middle and second-to-last."""
+    if num_layers < 2:
+        raise ValueError(f"a {num_layers}-layer target has no layer an EAGLE-3 drafter can read; " + AUX_RULE)
     if num_layers >= 8:
-        return ids
-    # tiny test models, where that formula collides: first, middle and last layer
-    return sorted({0, num_layers // 2, num_layers - 1})
+        return [1, num_layers // 2 - 1, num_layers - 4]
+    return sorted({0, (num_layers - 1) // 2, num_layers - 2})
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -204,10 +243,18 @@ class Target:
         self.config = _text_config(model.config)
         self.layers = decoder_layers(model)
         n = len(self.layers)
-        self.aux_layers = tuple(default_aux_layers(n) if aux_layers is None else aux_layers)
-        bad = [i for i in self.aux_layers if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"aux layer ids {bad} are outside this target's {n} decoder layers (0..{n - 1})")
+        self.aux_layers = tuple(default_aux_layers(n) if aux_layers is None else (int(i) for i in aux_layers))
+        problem = aux_layer_problem(self.aux_layers, n)
+        if problem:
+            raise ValueError(problem)
+        attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        if attn not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention backend {attn!r} ignores the custom 4-D masks prefill and tree verify pass; load the "
+                f"target with attn_implementation in {ATTN_IMPLEMENTATIONS}"
+            )
+        # eager attention adds the mask to the scores: a bool mask would add 0/1 and mask nothing
+        self._additive_masks = attn == "eager"
         self.base = model.get_decoder()
         self.head = TargetHead.from_model(model)
         self.info = TargetInfo(
@@ -279,8 +326,10 @@ class Target:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
         mask: Any = attention_mask
-        if attention_mask is not None and attention_mask.dim() == 4 and self._sliding:
-            mask = self._sliding_masks(attention_mask, position_ids)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = self._sliding_masks(attention_mask, position_ids) if self._sliding else attention_mask
+            if self._additive_masks:
+                mask = _additive(mask, self.dtype)
         self._captured.clear()
         try:
             out = self.base(
@@ -312,6 +361,18 @@ class Target:
         q_pos = position_ids[:, None, :, None]  # [B, 1, T, 1]
         sliding = mask & (kv_pos[None, None, None, :] > q_pos - window)
         return {"full_attention": mask, "sliding_attention": sliding}
+
+
+def _additive(mask, dtype: torch.dtype):
+    """Bool masks (True = may attend) as additive float masks (0 / finfo.min), the form eager attention adds to
+    its scores; ``mask`` may be a dict of them (per layer type)."""
+    if isinstance(mask, dict):
+        return {k: _additive(v, dtype) for k, v in mask.items()}
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, torch.finfo(dtype).min
+    )
 
 
 # -- loading ----------------------------------------------------------------------------------------------------

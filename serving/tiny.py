@@ -70,11 +70,17 @@ def tiny_config(
     return AutoConfig.for_model(arch, **common)
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **kw: Any):
-    """A random-init causal LM of ``arch`` in eval mode."""
+def tiny_model(
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    **kw: Any,
+):
+    """A random-init causal LM of ``arch`` in eval mode (the same weights for a seed, whatever the backend)."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(arch, **kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     return model.eval()

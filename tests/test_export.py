@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 
 import pytest
 import torch
@@ -53,7 +55,7 @@ def run_both(d: Eagle3Drafter, seed: int = 1):
     cache.prepare(torch.arange(t))
     mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None].expand(b, 1, t, t)
     pos = torch.arange(t).expand(b, t)
-    out = d(ids[:, 1 : t + 1], aux, pos, cache, mask)
+    out = d(ids[:, 1 : t + 1], aux, pos, cache, mask, hidden_is_aux=True)
     logits = [out.logits]
     hidden = out.hidden[:, -1:]
     for j in range(2):
@@ -65,6 +67,7 @@ def run_both(d: Eagle3Drafter, seed: int = 1):
             torch.full((b, 1), n),
             cache,
             torch.ones(b, 1, 1, n + 1, dtype=torch.bool),
+            hidden_is_aux=False,
         )
         logits.append(step.logits)
         hidden = step.hidden
@@ -115,8 +118,8 @@ def test_sglang_config_and_tensor_names(tmp_path):
     assert c["num_hidden_layers"] == 1 and c["tie_word_embeddings"] is False
     assert (c["vocab_size"], c["draft_vocab_size"], c["hidden_size"]) == (256, DRAFT_VOCAB, 64)
     assert c["torch_dtype"] == c["dtype"] == "bfloat16"
-    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]  # SGLang: output of layer i
-    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM reads this one first: input of layer i
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang: output of layer i
+    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM reads this one first: input of layer i
     assert "target_hidden_size" not in c  # SGLang tests hasattr(); a null here would break fc
     assert c["max_position_embeddings"] == cfg.max_position_embeddings
     names = set(load_file(str(tmp_path / "out" / "model.safetensors")))
@@ -257,19 +260,43 @@ def test_short_max_position_embeddings_is_refused(tmp_path):
     )
 
 
-def test_aux_layers_outside_the_target_are_refused(tmp_path):
-    d, cfg = make_drafter(aux=[0, 2, 5])
-    _export_fails(tmp_path, d, spec_for(cfg), r"aux layer ids \[5\] are outside the target's 4 layers")
+@pytest.mark.parametrize(
+    "aux,why",
+    [
+        ([0, 2, 5], r"5 outside \[0, 2\] for a 4-layer target"),
+        (
+            [0, 1, 3],
+            r"3 outside \[0, 2\] for a 4-layer target",
+        ),  # the last layer: SGLang/vLLM never capture it
+        ([2, 0, 1], "not strictly increasing"),  # would permute fc's input blocks at serve time
+        ([0, 1, 1], "not strictly increasing"),  # duplicates crash the engines
+    ],
+)
+def test_aux_layers_the_engines_capture_differently_are_refused(tmp_path, aux, why):
+    d, cfg = make_drafter()
+    d.config.aux_layer_ids = aux  # past DrafterConfig's own check, as a hand-edited config would be
+    _export_fails(tmp_path, d, spec_for(cfg), rf"aux layer ids .* are invalid \({why}.*\[0, L-2\]")
 
 
 def test_aux_layers_must_be_three(tmp_path):
-    d, cfg = make_drafter(aux=[0, 3])
+    d, cfg = make_drafter(aux=[0, 2])
     _export_fails(tmp_path, d, spec_for(cfg), r"fuses 2 aux layers; SGLang and vLLM build fc for exactly 3")
 
 
 def test_aux_layers_disagreeing_with_the_target_runner_are_refused(tmp_path):
     d, cfg = make_drafter()
-    _export_fails(tmp_path, d, spec_for(cfg, aux_layers=[1, 2, 3]), r"built for aux layers \[0, 2, 3\]")
+    _export_fails(tmp_path, d, spec_for(cfg, aux_layers=[0, 1]), r"built for aux layers \[0, 1, 2\]")
+
+
+def test_export_with_invalid_aux_layers_is_refused_at_load(tmp_path):
+    d, cfg = make_drafter()
+    export(d, spec_for(cfg), tmp_path / "out", "sglang")
+    path = tmp_path / "out" / "config.json"
+    c = json.loads(path.read_text())
+    c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 0, 1]
+    path.write_text(json.dumps(c))
+    with pytest.raises(ExportError, match=r"config\.json: drafter aux_layer_ids: .*not strictly increasing"):
+        load_exported(tmp_path / "out", embedding=d.embed_tokens.weight)
 
 
 def test_rope_differing_from_the_target_is_refused(tmp_path):
@@ -295,14 +322,65 @@ def test_embedding_scale_needs_consent(tmp_path):
 def test_existing_export_is_kept_unless_overwrite(tmp_path):
     d, cfg = make_drafter()
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("earlier work")
-    with pytest.raises(ExportError, match="exists and is not empty"):
+    export(d, spec_for(cfg), out, config=ExportConfig(dtype="float32"))
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ExportError, match=r"exists and is not empty \(set export.overwrite=true"):
         export(d, spec_for(cfg), out)
-    assert (out / "keep.txt").read_text() == "earlier work"
-    export(d, spec_for(cfg), out, config=ExportConfig(overwrite=True))
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").read_bytes() == before
+    export(d, spec_for(cfg), out, config=ExportConfig(overwrite=True))  # bfloat16 now
+    assert (out / "model.safetensors").read_bytes() != before
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary directories left behind
+
+
+def test_overwrite_replaces_only_an_earlier_export(tmp_path):
+    """A directory holding anything else than an export's files, or one without the eyas sidecar, is refused
+    even with overwrite, and nothing in it changes; a plain file is never replaced."""
+    d, cfg = make_drafter()
+    overwrite = ExportConfig(overwrite=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("earlier work")
+    with pytest.raises(ExportError, match=r"other holds \['keep.txt'\]: it is not an earlier eyas export"):
+        export(d, spec_for(cfg), other, config=overwrite)
+    assert [p.name for p in other.iterdir()] == ["keep.txt"]
+
+    extra = tmp_path / "extra"
+    export(d, spec_for(cfg), extra)
+    (extra / "notes.md").write_text("mine")
+    with pytest.raises(ExportError, match=r"extra holds \['notes.md'\]"):
+        export(d, spec_for(cfg), extra, config=overwrite)
+    assert (extra / "notes.md").read_text() == "mine"
+
+    foreign = tmp_path / "foreign"  # a model directory of the same shape, not written by eyas
+    foreign.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (foreign / name).write_text("{}")
+    with pytest.raises(
+        ExportError, match="foreign has no eyas_export.json: it is not an earlier eyas export"
+    ):
+        export(d, spec_for(cfg), foreign, config=overwrite)
+    assert (foreign / "config.json").read_text() == "{}"
+
+    plain = tmp_path / "plain"
+    plain.write_text("a file")
+    with pytest.raises(ExportError, match="plain is a file, not a directory"):
+        export(d, spec_for(cfg), plain, config=overwrite)
+    assert plain.read_text() == "a file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra", "foreign", "other", "plain"]
+
+
+def test_exported_files_are_readable_by_others(tmp_path):
+    d, cfg = make_drafter()
+    old = os.umask(0o077)  # a private umask must not make the export private
+    try:
+        export(d, spec_for(cfg), tmp_path / "out", "speculators")
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644, "eyas_export.json": 0o644}
 
 
 def test_the_target_embedding_is_written_when_given(tmp_path):

@@ -35,8 +35,10 @@ def one_thread():
 
 # -- drafters used by the tests ----------------------------------------------------------------------------------
 def make_drafter(target, seed: int = 0, draft_vocab: int | None = None, copy: bool = False) -> Eagle3Drafter:
-    """A random-init EAGLE-3 drafter for ``target``; with ``copy``, weights that make it repeat the target's own
-    prediction (fc passes the last aux layer, attention and MLP add nothing, norm and head are the target's)."""
+    """A random-init EAGLE-3 drafter for ``target``; with ``copy``, weights that make its context rows repeat the
+    target's own prediction: fc passes the last aux layer (the output of layer L-2), the drafter block computes
+    the target's last layer on it (llama-style targets; elsewhere it adds nothing), norm and head are the
+    target's."""
     v = target.vocab_size
     draft_vocab = draft_vocab or v
     cfg = DrafterConfig.from_target(target.model.config, list(target.aux_layers), draft_vocab)
@@ -47,13 +49,28 @@ def make_drafter(target, seed: int = 0, draft_vocab: int | None = None, copy: bo
     drafter.set_vocab_map(to_target)
     if copy:
         h = cfg.hidden_size
+        assert target.aux_layers[-1] == len(target.layers) - 2
+        last, block = target.layers[-1], drafter.midlayer
         with torch.no_grad():
             drafter.fc.weight.zero_()
             drafter.fc.weight[:, -h:] = torch.eye(h)
-            drafter.midlayer.self_attn.o_proj.weight.zero_()
-            drafter.midlayer.mlp.down_proj.weight.zero_()
             drafter.norm.weight.copy_(target.model.get_decoder().norm.weight)
             drafter.lm_head.weight.copy_(target.head.weight[to_target])
+            if hasattr(last.self_attn, "q_proj") and hasattr(last.mlp, "gate_proj"):
+                for name in (
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                ):  # read only the hidden half of cat(embeds, hidden)
+                    getattr(block.self_attn, name).weight.zero_()
+                    getattr(block.self_attn, name).weight[:, h:] = getattr(last.self_attn, name).weight
+                block.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
+                block.hidden_norm.weight.copy_(last.input_layernorm.weight)
+                block.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+                block.mlp.load_state_dict(last.mlp.state_dict())
+            else:
+                block.self_attn.o_proj.weight.zero_()
+                block.mlp.down_proj.weight.zero_()
     return drafter
 
 
@@ -181,7 +198,7 @@ def test_speculative_greedy_equals_plain_greedy(arch, kind, mode):
     target, prompt, ref = tiny_case(arch)
     res = generate(target, proposer_for(kind, target, prompt, ref), prompt, N_NEW, mode=mode)
     assert res.tokens == ref
-    assert len(res.steps) >= 1 and 1 + sum(s.num_emitted for s in res.steps) >= len(res.tokens)
+    assert len(res.steps) >= 1 and 1 + sum(s.num_emitted for s in res.steps) == len(res.tokens)
     if kind == "oracle":  # drafts that are right most of the time must be accepted most of the time
         assert res.tau > 2.0
     if arch == "llama" and kind in ("eagle3_copy", "prompt_lookup"):
@@ -323,8 +340,8 @@ def test_drafter_for_another_target_is_rejected_before_any_forward(counted_targe
         ValueError, match=r"hidden size 32 vs the target's 64.*vocabulary 128 vs the target's 256"
     ):
         generate(target, Eagle3Proposer(make_drafter(other)), prompt, 4)
-    cfg = DrafterConfig.from_target(target.model.config, [0, 1, 3], 256)
-    with pytest.raises(ValueError, match=r"aux layers \[0, 1, 3\] vs the target's \[0, 2, 3\]"):
+    cfg = DrafterConfig.from_target(target.model.config, [0, 2], 256)
+    with pytest.raises(ValueError, match=r"aux layers \[0, 2\] vs the target's \[0, 1, 2\]"):
         generate(target, Eagle3Proposer(Eagle3Drafter(cfg)), prompt, 4)
     assert not calls
 
@@ -384,6 +401,25 @@ def test_stops_at_eos_and_at_max_new_tokens_exactly():
     for n in (1, 2, 9):
         res = generate(target, OracleProposer(ref, prompt.numel(), k=6), prompt, n, mode="chain")
         assert res.tokens == ref[:n] and res.stop_reason == "length"
+
+
+def test_step_statistics_count_only_tokens_emitted_before_eos():
+    """An EOS among a step's accepted drafts ends the output there: the drafts accepted after it are never
+    emitted, so they count neither as accepted nor as emitted (tau and acceptance describe the output)."""
+    target, prompt, ref = tiny_case("llama")
+    k = 4
+    # an EOS that is one of the first k - 1 drafts of a step (steps emit ref[1 + i(k+1) .. (i+1)(k+1)])
+    first = next(i for i in range(1, len(ref)) if ref.index(ref[i]) == i and (i - 1) % (k + 1) < k - 1)
+    perfect = OracleProposer(ref, prompt.numel(), k=k)
+    perfect._wrong = lambda t: t  # noqa: SLF001  (never plant an error)
+    res = generate(target, perfect, prompt, N_NEW, mode="chain", eos_token_ids=[ref[first]])
+    assert res.tokens == ref[: first + 1] and res.stop_reason == "eos"
+    last = res.steps[-1]
+    in_step = (first - 1) % (k + 1) + 1  # tokens of the last step up to and including the EOS
+    assert (last.num_accepted, last.num_emitted) == (in_step, in_step)
+    assert [s.num_accepted for s in res.steps[:-1]] == [k] * (len(res.steps) - 1)
+    assert 1 + sum(s.num_emitted for s in res.steps) == len(res.tokens)
+    assert res.tau == (len(res.tokens) - 1) / len(res.steps)
 
 
 def test_context_limit_stops_generation():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -47,21 +49,45 @@ def test_slot_cache_incremental_equals_full_forward(arch):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_aux_layer_out_of_range_is_named():
-    from eyas.serving.target import target_from_model
+def test_aux_layer_ids_must_increase_and_stop_before_the_last_layer():
+    from eyas.common import ConfigError, build_config
+    from eyas.serving.target import TargetConfig, target_from_model
     from eyas.serving.tiny import tiny_model
+    from eyas.train.config import TrainJob
 
     from .conftest import _TinyTokenizer
 
-    with pytest.raises(ValueError, match=r"aux layer ids \[9\]"):
-        target_from_model(tiny_model("llama"), _TinyTokenizer(256), aux_layers=[0, 1, 9])
+    model = tiny_model("llama")  # 4 layers: valid ids lie in [0, 2]
+    for ids, why in (
+        ([0, 1, 9], r"9 outside \[0, 2\] for a 4-layer target"),
+        ([0, 1, 3], r"3 outside \[0, 2\] for a 4-layer target"),  # the last layer: never captured
+        ([0, 2, 1], "not strictly increasing"),
+        ([0, 1, 1], "not strictly increasing"),
+    ):
+        with pytest.raises(
+            ValueError, match=re.escape(f"aux layer ids {ids} are invalid (") + why + r".*\[0, L-2\]"
+        ):
+            target_from_model(model, _TinyTokenizer(256), aux_layers=ids)
+    # the training job's config refuses them in one line, before any model loads
+    with pytest.raises(
+        ConfigError, match=r"^target.aux_layers: aux layer ids \[2, 1\] .*not strictly increasing"
+    ):
+        build_config(TrainJob, {"target": {"aux_layers": [2, 1]}})
+    with pytest.raises(ConfigError, match=r"-1 negative"):
+        TargetConfig(aux_layers=[-1, 1])
+    assert target_from_model(model, _TinyTokenizer(256), aux_layers=[0, 2]).aux_layers == (0, 2)
 
 
-def test_default_aux_layers_follow_sglang():
-    from eyas.serving.target import default_aux_layers
+def test_default_aux_layers_follow_sglang_and_are_valid_for_every_depth():
+    from eyas.serving.target import aux_layer_problem, default_aux_layers
 
     assert default_aux_layers(30) == [1, 14, 26]
     assert default_aux_layers(61) == [1, 29, 57]  # DeepSeek-V3
+    assert default_aux_layers(4) == [0, 1, 2] and default_aux_layers(2) == [0]
+    for n in range(2, 80):
+        assert aux_layer_problem(default_aux_layers(n), n) is None, n
+    with pytest.raises(ValueError, match="1-layer target has no layer"):
+        default_aux_layers(1)
 
 
 def test_commit_keeps_written_rows_or_a_tree_path_and_refuses_unwritten_ones():
@@ -78,3 +104,59 @@ def test_commit_keeps_written_rows_or_a_tree_path_and_refuses_unwritten_ones():
     assert cache.layers[0].keys[0, 0, :4, 0].tolist() == [0.0, 1.0, 3.0, 5.0]
     with pytest.raises(ValueError, match="cannot commit 3 rows at 4"):
         cache.commit(3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_eager_attention_obeys_the_custom_masks_as_sdpa_does(arch):
+    """Prefill (causal) and tree verify (prefix + ancestors only) through the slot cache give the same aux states
+    and logits with eager attention as with sdpa, and eager speculative decoding equals plain greedy."""
+    from eyas.serving.loop import generate, prefill, tree_forward
+    from eyas.serving.proposers import Eagle3Proposer
+    from eyas.serving.tree import DraftTree, TreeConfig
+
+    from .test_loop import OracleProposer, make_drafter, plain_greedy
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 256, (20,), generator=g)  # longer than gemma3's tiny sliding window (16)
+    n = 8
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3])  # siblings at every depth: they must not see each other
+    tree = DraftTree.from_parents(torch.randint(3, 256, (n,), generator=g), parents)
+    outs = {}
+    for impl in ("sdpa", "eager"):
+        target = make_tiny_target(arch, attn_implementation=impl)
+        cache = target.new_cache(64)
+        outs[impl] = (prefill(target, cache, prompt), tree_forward(target, cache, tree))
+    for sdpa, eager in zip(outs["sdpa"], outs["eager"]):
+        torch.testing.assert_close(eager.aux, sdpa.aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(eager.logits, sdpa.logits, rtol=1e-5, atol=1e-5)
+
+    ref = plain_greedy(target, prompt, 12, set())
+    tree_cfg = TreeConfig(topk=3, depth=3, total_tokens=8)
+    for proposer in (
+        Eagle3Proposer(make_drafter(target, seed=3, draft_vocab=200), tree=tree_cfg),
+        OracleProposer(ref, prompt.numel(), k=4),
+    ):
+        res = generate(target, proposer, prompt, 12, mode="tree", stop_on_eos=False)
+        assert res.tokens == ref, proposer.name
+
+
+def test_attention_backends_that_ignore_custom_masks_are_refused():
+    from eyas.serving.target import TargetConfig
+
+    with pytest.raises(ValueError, match=r"attn_implementation must be one of \('sdpa', 'eager'\)"):
+        TargetConfig(attn_implementation="flash_attention_2")
+    model = tiny_model_with_backend("flex_attention")
+    from eyas.serving.target import target_from_model
+
+    from .conftest import _TinyTokenizer
+
+    with pytest.raises(ValueError, match="'flex_attention' ignores the custom 4-D masks"):
+        target_from_model(model, _TinyTokenizer(256))
+
+
+def tiny_model_with_backend(name: str):
+    from eyas.serving.tiny import tiny_model
+
+    model = tiny_model("llama")
+    model.config._attn_implementation = name  # noqa: SLF001  (what from_pretrained(attn_implementation=) sets)
+    return model
