@@ -114,6 +114,12 @@ class ContextPoint:
     match_rate: float
     """Share of prompts whose output equals plain decoding's (greedy: must be 1)."""
     steps: int
+    chain_length: int = 0
+    """K the method drafted with (0: ``none``)."""
+    accepted: list[int] = field(default_factory=list)
+    """Tokens accepted at each verify step (what ``eval.diagnose`` prices with its own step costs)."""
+    drafted: list[int] = field(default_factory=list)
+    """Tokens drafted at each verify step."""
 
 
 @dataclass
@@ -152,7 +158,9 @@ def build_context_prompts(cfg: ContextConfig, tokenizer) -> dict[int, list[list[
     }
 
 
-def points_from(acc: AcceptanceResult, prompts: dict[int, list[list[int]]]) -> list[ContextPoint]:
+def points_from(
+    acc: AcceptanceResult, prompts: dict[int, list[list[int]]], chain_length: int
+) -> list[ContextPoint]:
     """One :class:`ContextPoint` per result of the acceptance run (its prompt sets are named by length)."""
     out = []
     for r in acc.results:
@@ -175,6 +183,9 @@ def points_from(acc: AcceptanceResult, prompts: dict[int, list[list[int]]]) -> l
                 speedup=_speedup(acc, r.prompt_set, r.decode_tokens_per_s),
                 match_rate=r.match_rate,
                 steps=steps,
+                chain_length=0 if r.method == "none" else chain_length,
+                accepted=[rec[3] for rec in r.step_records],
+                drafted=[rec[4] for rec in r.step_records],
             )
         )
     return out
@@ -185,12 +196,33 @@ def _speedup(acc: AcceptanceResult, prompt_set: str, tokens_per_s: float) -> flo
     return tokens_per_s / base.decode_tokens_per_s if base and base.decode_tokens_per_s else float("nan")
 
 
-def run(job: ContextJob, target: Target | None = None, command: str = "") -> ContextResult:
-    """Measure every method at every length (see the module docstring); writes JSON, markdown and the figure."""
+def measure(
+    target: Target, drafter, prompts: dict[int, list[list[int]]], cfg: ContextConfig
+) -> list[ContextPoint]:
+    """Generate every prompt at every length with every method of ``cfg``; one point per (method, length)."""
+    methods = [m for m in default_methods(cfg.chain_length) if m.name in cfg.methods]
+    spec = cfg.prompts
+    sets = {
+        str(n): (PromptSetSpec(str(n), spec.source, len(ps), spec.label, spec.max_new_tokens), ps)
+        for n, ps in prompts.items()
+    }
+    acc = run_acceptance(target, drafter, sets, methods, SamplingConfig())
+    return points_from(acc, prompts, cfg.chain_length)
+
+
+def run(
+    job: ContextJob,
+    target: Target | None = None,
+    command: str = "",
+    drafter=None,
+    prompts: dict[int, list[list[int]]] | None = None,
+) -> ContextResult:
+    """Measure every method at every length (see the module docstring); writes JSON, markdown and the figure.
+    The target is loaded, the drafter loaded from ``context.checkpoint`` and the prompts built unless given."""
     from eyas.serving.target import load_target
 
     cfg = job.context
-    if cfg.checkpoint is None and any(m.startswith("eagle3") for m in cfg.methods):
+    if drafter is None and cfg.checkpoint is None and any(m.startswith("eagle3") for m in cfg.methods):
         raise ConfigError(
             "context.checkpoint is not set: give the drafter directory (context.checkpoint=<dir>), or "
             "measure without it (context.methods=[prompt-lookup,none])"
@@ -207,8 +239,7 @@ def run(job: ContextJob, target: Target | None = None, command: str = "") -> Con
             f"target's window of {limit}"
         )
     t0 = time.perf_counter()
-    drafter = None
-    if cfg.checkpoint:
+    if drafter is None and cfg.checkpoint:
         from eyas.serving.drafters import load_drafter
 
         drafter = load_drafter(cfg.checkpoint, target).drafter
@@ -219,18 +250,12 @@ def run(job: ContextJob, target: Target | None = None, command: str = "") -> Con
             "target": target.info.to_dict(),
         }
     )
-    prompts = build_context_prompts(cfg, target.tokenizer)
+    if prompts is None:
+        prompts = build_context_prompts(cfg, target.tokenizer)
     for length, ps in prompts.items():
         log.info("context %d: prompts of %s tokens", length, [len(p) for p in ps])
-    methods = [m for m in default_methods(cfg.chain_length) if m.name in cfg.methods]
-    spec = cfg.prompts
-    sets = {
-        str(n): (PromptSetSpec(str(n), spec.source, spec.n, spec.label, spec.max_new_tokens), ps)
-        for n, ps in prompts.items()
-    }
-    acc = run_acceptance(target, drafter, sets, methods, SamplingConfig())
     result = ContextResult(
-        points=points_from(acc, prompts),
+        points=measure(target, drafter, prompts, cfg),
         config={**json.loads(json.dumps(asdict(cfg), default=str)), "command": command},
         target=target.info.to_dict(),
         out=out,
