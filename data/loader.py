@@ -16,6 +16,15 @@ Design decisions:
 - Held-out split by a hash of the sample id (independent of order, store layout and world size).
 - Samples longer than ``max_tokens`` are truncated to it; samples with fewer than ``min_loss_tokens`` loss tokens
   are skipped (nothing to learn from).
+- Long rows: ``max_tokens: window`` in the trainer's settings means the target's context window
+  (:func:`resolve_max_tokens`); a row never holds more than the window, since the drafter serves no position past
+  it. Packed samples keep their own positions (they restart per sample): only samples that are long themselves
+  teach the drafter long positions (``data.long_context`` builds such samples from the corpora).
+- ``length_mix`` makes one epoch a mixture of row lengths with a given share of tokens each: a sample goes to the
+  shortest length that holds it whole, each length's samples are packed into rows of that length (so a batch
+  has one row length and no padding to the longest), the epoch's tokens are split by the weights (a length's
+  samples repeat, reshuffled, to fill its share, or the rest wait for the next epoch), and the lengths' batches
+  are interleaved by largest deficit so every stretch of training keeps the shares.
 """
 
 from __future__ import annotations
@@ -67,8 +76,25 @@ class LoaderConfig:
     """Skip samples with fewer loss-masked tokens than this."""
     pad_token_id: int = 0
     """input_ids value at padding positions (segment id 0; never a loss position)."""
+    length_mix: dict[int, float] | None = None
+    """Row lengths and the share of each epoch's tokens in rows of that length, e.g. ``{1024: 0.75, 8192: 0.25}``
+    (weights are normalized). Rows are then as long as these lengths and ``max_tokens`` is not used; samples
+    longer than the longest are truncated to it. ``None``: every row is ``max_tokens`` long."""
 
     def __post_init__(self) -> None:
+        if self.length_mix is not None:
+            try:
+                mix = {int(k): float(v) for k, v in self.length_mix.items()}
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"loader.length_mix must map row lengths to weights, not {self.length_mix!r}"
+                ) from None
+            if not mix or min(mix) < 1 or min(mix.values()) < 0 or sum(mix.values()) <= 0:
+                raise ValueError(
+                    f"loader.length_mix needs positive row lengths and weights >= 0 with a positive sum: {mix}"
+                )
+            total = sum(mix.values())
+            self.length_mix = {k: mix[k] / total for k in sorted(mix) if mix[k] > 0}
         if self.packing not in PACKING:
             raise ValueError(f"loader.packing must be one of {PACKING}, not {self.packing!r}")
         if self.split not in SPLITS:
@@ -81,6 +107,31 @@ class LoaderConfig:
             raise ValueError(f"loader.eval_fraction must be in [0, 1), not {self.eval_fraction}")
         if self.split == "eval" and self.eval_fraction == 0.0:
             raise ValueError("loader.split=eval needs loader.eval_fraction > 0")
+
+    @property
+    def row_limit(self) -> int:
+        """The longest row (and the truncation length of samples)."""
+        return max(self.length_mix) if self.length_mix else self.max_tokens
+
+
+WINDOW = "window"
+"""``max_tokens`` value (in the trainer's settings) for the target's context window."""
+
+
+def resolve_max_tokens(settings: dict[str, Any], window: int) -> dict[str, Any]:
+    """The loader settings with ``max_tokens: window`` replaced by ``window`` (the target's
+    ``max_position_embeddings``); refuses rows longer than the window."""
+    out = dict(settings)
+    if out.get("max_tokens") == WINDOW:
+        out["max_tokens"] = int(window)
+    mix = out.get("length_mix")
+    longest = max(int(k) for k in mix) if mix else out.get("max_tokens", LoaderConfig.max_tokens)
+    if isinstance(longest, int) and longest > window:
+        raise ValueError(
+            f"train.data.loader: rows of {longest} tokens exceed the target's context window ({window}); "
+            "the drafter would train on positions it never serves"
+        )
+    return out
 
 
 class FeatureSource(Protocol):
@@ -117,12 +168,54 @@ def plan_epoch(
     lengths: np.ndarray, candidates: np.ndarray, cfg: LoaderConfig, epoch: int
 ) -> list[list[list[int]]]:
     """The global batch plan of one epoch: batches of rows of sample indices."""
-    order = candidates
-    if cfg.shuffle:
-        order = candidates[np.random.default_rng([cfg.seed, epoch]).permutation(len(candidates))]
-    b, cap = cfg.batch_rows, cfg.max_tokens
+    rng = np.random.default_rng([cfg.seed, epoch])
+    order = candidates[rng.permutation(len(candidates))] if cfg.shuffle else candidates
+    if not cfg.length_mix:
+        return pack_rows(lengths, order, cfg.batch_rows, cfg.max_tokens, cfg.packing)
+    caps = sorted(cfg.length_mix)
+    used = np.minimum(lengths[order], caps[-1])
+    home = np.searchsorted(caps, used)  # the shortest row length that holds each sample whole
+    total = float(used.sum())
+    plans: list[list[list[list[int]]]] = []
+    for c, cap in enumerate(caps):
+        own = order[home == c]
+        if len(own) == 0:
+            raise ValueError(
+                f"loader.length_mix gives rows of {cap} tokens a share, but no sample is {cap} tokens or shorter "
+                f"and longer than {caps[c - 1] if c else 0}"
+            )
+        quota, taken, got = cfg.length_mix[cap] * total, [], 0.0
+        while got < quota:  # repeat the length's samples (reshuffled) until its share is filled
+            for i in own:
+                if got >= quota:
+                    break
+                taken.append(i)
+                got += min(int(lengths[i]), cap)
+            own = own[rng.permutation(len(own))] if cfg.shuffle else own
+        plans.append(pack_rows(lengths, np.asarray(taken), cfg.batch_rows, cap, cfg.packing))
     batches: list[list[list[int]]] = []
-    if cfg.packing == "padded":
+    emitted, nxt = [0.0] * len(caps), [0] * len(caps)
+    while any(n < len(p) for n, p in zip(nxt, plans)):
+        # the length furthest below its share of what was handed out so far goes next
+        c = min(
+            (c for c in range(len(caps)) if nxt[c] < len(plans[c])),
+            key=lambda c: emitted[c] / cfg.length_mix[caps[c]],
+        )
+        batch = plans[c][nxt[c]]
+        nxt[c] += 1
+        emitted[c] += sum(min(int(lengths[i]), caps[c]) for row in batch for i in row)
+        batches.append(batch)
+    return batches
+
+
+def pack_rows(
+    lengths: np.ndarray, order: np.ndarray, batch_rows: int, cap: int, packing: str
+) -> list[list[list[int]]]:
+    """Samples in ``order`` as batches of ``batch_rows`` rows of at most ``cap`` tokens: first-fit packing (a
+    sample that fits no open row closes the batch), or one sample per row (``padded``)."""
+    b = batch_rows
+    batches: list[list[list[int]]] = []
+    if packing == "padded":
         idx = [int(i) for i in order]
         return [[[i] for i in idx[s : s + b]] for s in range(0, len(idx), b)]
     rows: list[list[int]] = [[] for _ in range(b)]
@@ -146,9 +239,10 @@ def collate(
 ) -> Batch:
     """Assemble one Batch from the samples of each row (packed in order; positions restart per sample)."""
     dtype = FLOAT_DTYPES[cfg.dtype]
-    used = [sum(min(fetched[i].num_tokens, cfg.max_tokens) for i in row) for row in rows]
+    limit = cfg.row_limit
+    used = [sum(min(fetched[i].num_tokens, limit) for i in row) for row in rows]
     m = cfg.pad_to_multiple
-    t = min(-(-max(used) // m) * m, cfg.max_tokens)  # every row fits: rows hold at most max_tokens
+    t = min(-(-max(used) // m) * m, limit)  # every row fits: rows hold at most their row length
     b = len(rows)
     dev = next(iter(fetched.values())).input_ids.device
     width = codec.num_aux * codec.hidden_size
@@ -172,7 +266,7 @@ def collate(
         sample_ids.append([])
         for seg, i in enumerate(row, start=1):
             s = fetched[i]
-            n = min(s.num_tokens, cfg.max_tokens)
+            n = min(s.num_tokens, limit)
             sl = slice(pos, pos + n)
             feats = {name: v[:n] for name, v in s.features.items()}
             out["input_ids"][r, sl] = s.input_ids[:n]
@@ -213,12 +307,12 @@ class FeatureLoader:
                 f"no samples to load (split={self.cfg.split}, eval_fraction={self.cfg.eval_fraction}, "
                 f"min_loss_tokens={self.cfg.min_loss_tokens}, {len(source.sample_ids)} samples in the source)"
             )
-        truncated = int((source.lengths[self.candidates] > self.cfg.max_tokens).sum())
+        truncated = int((source.lengths[self.candidates] > self.cfg.row_limit).sum())
         if truncated:
             log.warning(
-                "%d samples are longer than max_tokens=%d and will be truncated",
+                "%d samples are longer than the longest row (%d tokens) and will be truncated",
                 truncated,
-                self.cfg.max_tokens,
+                self.cfg.row_limit,
             )
         self.epoch = 0
         self.step = 0
@@ -273,6 +367,8 @@ class FeatureLoader:
         h.update(
             repr((self.cfg.batch_rows, self.cfg.max_tokens, self.cfg.packing, self.cfg.shuffle)).encode()
         )
+        if self.cfg.length_mix:
+            h.update(repr(sorted(self.cfg.length_mix.items())).encode())
         return h.hexdigest()[:16]
 
     def state_dict(self) -> dict[str, Any]:

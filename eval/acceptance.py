@@ -132,8 +132,8 @@ class SetMethodResult:
     """End-to-end tokens/s over ``none`` on the same prompts."""
     match_rate: float = float("nan")
     """Greedy only: fraction of prompts whose output equals plain decoding's."""
-    step_records: list[tuple[int, float, float, int]] = field(default_factory=list, repr=False)
-    """(context_len, draft_s, verify_s, accepted) of every step, for plots and the throughput model."""
+    step_records: list[tuple[int, float, float, int, int]] = field(default_factory=list, repr=False)
+    """(context_len, draft_s, verify_s, accepted, drafted) of every step, for plots and the throughput model."""
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -179,7 +179,7 @@ def aggregate(prompt_set: str, method: str, label: str, runs: list[GenerationRes
         mean_draft_ms=1e3 * sum(s.draft_s for s in steps) / n,
         mean_verify_ms=1e3 * sum(s.verify_s for s in steps) / n,
         mean_context=sum(s.context_len for s in steps) / n,
-        step_records=[(s.context_len, s.draft_s, s.verify_s, s.num_accepted) for s in steps],
+        step_records=[(s.context_len, s.draft_s, s.verify_s, s.num_accepted, s.num_drafted) for s in steps],
     )
 
 

@@ -2,10 +2,13 @@
 
 What it measures: the real training step of :func:`train.loop.fit` (teacher from the stored final hidden state
 through the frozen target head, TTT unroll, loss, backward, AdamW), for the embedded default target
-(SmolLM2-135M-Instruct), 512-token samples (one per micro-batch), TTT 7, over draft vocabularies and precisions.
+(SmolLM2-135M-Instruct), 512-token samples (one per micro-batch; ``--seq-len 512 2048 8192`` for long rows), TTT 7,
+over draft vocabularies and precisions.
 Tokens/s counts every sequence token of a step (SpecForge's convention), from the step timings ``fit`` logs,
 after ``--warmup`` steps. Peak memory is the resident set of the training process (sampled every 20 ms), with
 the part above the pre-training baseline (inputs, head and embedding already loaded) shown separately.
+``--attention`` times the TTT attention alone instead (7 unroll steps, forward and backward, SmolLM2's heads):
+the block-wise :func:`serving.ttt_attention.ttt_attention` against the dense-mask reference, per row length.
 
 Design decisions:
 - The target runs once in the parent to make the features (as a bf16 feature store would hold them); each
@@ -155,12 +158,60 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_attention_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One (implementation, row length): the TTT unroll's attention alone, forward and backward."""
+    from eyas.serving.ttt_attention import dense_ttt_attention, ttt_attention
+
+    torch.set_num_threads(args.threads)
+    t, steps = args.seq_len[0], args.ttt
+    heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2-135M
+    g = torch.Generator().manual_seed(0)
+    q = [torch.randn(1, heads, t, head_dim, generator=g).requires_grad_() for _ in range(steps)]
+    k = [torch.randn(1, kv_heads, t, head_dim, generator=g).requires_grad_() for _ in range(steps)]
+    v = [torch.randn(1, kv_heads, t, head_dim, generator=g).requires_grad_() for _ in range(steps)]
+    seg = torch.ones(1, t, dtype=torch.long)
+    fn = ttt_attention if args.child_attention == "block" else dense_ttt_attention
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        loss = sum(
+            fn(q[j], k[0], v[0], k[1 : j + 1], v[1 : j + 1], seg, head_dim**-0.5).square().mean()
+            for j in range(steps)
+        )
+        loss.backward()
+        return time.perf_counter() - t0
+
+    baseline = PeakRSS().proc.memory_info().rss
+    with PeakRSS() as mem:
+        times = [once() for _ in range(args.warmup + args.steps)][args.warmup :]
+    return {
+        "attention": args.child_attention,
+        "seq_len": t,
+        "ttt_steps": steps,
+        "threads": args.threads,
+        "fwd_bwd_ms": 1e3 * min(times),
+        "peak_rss_mib": mem.peak / 2**20,
+        "peak_above_baseline_mib": (mem.peak - baseline) / 2**20,
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def _child(cmd: list[str]) -> dict[str, Any]:
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if r.returncode or line is None:
+        raise RuntimeError(f"benchmark child failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+    return json.loads(line[7:])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, nargs="+", default=[8192, 32768], help="draft vocabulary sizes")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--oov", default="teacher", choices=["teacher", "label"])
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument(
+        "--seq-len", type=int, nargs="+", default=[512], help="tokens per row (one run per length)"
+    )
     p.add_argument("--samples", type=int, default=6, help="samples (= micro-batches) the steps cycle over")
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=1)
@@ -168,17 +219,73 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--loss-fraction", type=float, default=0.7)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--attention",
+        nargs="*",
+        choices=["block", "dense"],
+        default=None,
+        help="time the TTT attention alone (block-wise and/or the dense-mask reference) instead of training",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-attention", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="fp32", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child_attention:
+        print("RESULT " + json.dumps(run_attention_child(args)), flush=True)
+        return
     if args.child:
         args.vocab = args.vocab[0]
+        args.seq_len = args.seq_len[0]
         print("RESULT " + json.dumps(run_child(args)), flush=True)
         return
     results = []
+    if args.attention is not None:
+        for seq_len in args.seq_len:
+            for impl in args.attention or ["block", "dense"]:
+                res = _child(
+                    [
+                        sys.executable,
+                        "-m",
+                        "eyas.bench_train",
+                        "--child-attention",
+                        impl,
+                        "--seq-len",
+                        str(seq_len),
+                        "--steps",
+                        str(args.steps),
+                        "--warmup",
+                        str(args.warmup),
+                        "--threads",
+                        str(args.threads),
+                        "--ttt",
+                        str(args.ttt),
+                    ]
+                )
+                results.append(res)
+                print(
+                    f"attention {impl:<5}  {seq_len:>5} tokens  {res['fwd_bwd_ms']:8.0f} ms fwd+bwd  "
+                    f"peak RSS {res['peak_rss_mib']:7.0f} MiB (+{res['peak_above_baseline_mib']:.0f})  "
+                    f"load {res['load_avg_1m']:.1f}",
+                    flush=True,
+                )
+        _write(args, results)
+        return
+    for seq_len in args.seq_len:
+        results += _train_runs(args, seq_len)
+    _write(args, results)
+
+
+def _write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"seq_lens": args.seq_len, "results": results}, indent=1))
+
+
+def _train_runs(args: argparse.Namespace, seq_len: int) -> list[dict[str, Any]]:
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         bundle = Path(tmp) / "bundle.pt"
-        make_bundle(bundle, args.samples, args.seq_len, args.loss_fraction)
+        make_bundle(bundle, args.samples, seq_len, args.loss_fraction)
         for v in args.vocab:
             for mode in args.modes:
                 cmd = [
@@ -201,24 +308,18 @@ def main(argv: list[str] | None = None) -> None:
                     str(args.threads),
                     "--ttt",
                     str(args.ttt),
+                    "--seq-len",
+                    str(seq_len),
                 ]
-                r = subprocess.run(
-                    cmd, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"}
-                )
-                line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if r.returncode or line is None:
-                    raise RuntimeError(f"benchmark child failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
-                res = json.loads(line[7:])
+                res = {"seq_len": seq_len, **_child(cmd)}
                 results.append(res)
                 print(
-                    f"vocab {v:>6}  {mode:<9}  {res['tokens_per_s']:7.1f} tokens/s  {res['step_s']:6.2f} s/step  "
+                    f"{seq_len:>5} tokens/row  vocab {v:>6}  {mode:<9}  {res['tokens_per_s']:7.1f} tokens/s  {res['step_s']:6.2f} s/step  "
                     f"peak RSS {res['peak_rss_mib']:7.0f} MiB (+{res['peak_above_baseline_mib']:.0f} training)  "
                     f"load {res['load_avg_1m']:.1f}",
                     flush=True,
                 )
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"seq_len": args.seq_len, "results": results}, indent=1))
+    return results
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ COMMANDS = {
         "eyas.eval.diagnose",
         "explain tokens/s = tau / step time; recommend K (`diagnose=smoke` for a one-minute check)",
     ),
+    "context": (
+        "eyas.eval.context",
+        "τ, step time and tokens/s against context length (prompts after long real prefixes)",
+    ),
     "plan": ("eyas.eval.plan", "KV-cache and context-length arithmetic from a model config"),
 }
 

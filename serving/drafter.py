@@ -29,6 +29,7 @@ from torch import nn
 
 from eyas.serving.kv_cache import SlotCache
 from eyas.serving.target import aux_layer_problem
+from eyas.serving.ttt_attention import segment_starts, ttt_attention
 
 WEIGHTS_FILE = "drafter.safetensors"
 """Trainable weights of a drafter checkpoint (everything but the frozen target embedding)."""
@@ -427,7 +428,8 @@ class Eagle3Drafter(nn.Module):
 
         input_ids: [B, T] the sequence x; aux: [B, T, n_aux*H] target features at each position;
         position_ids: [B, T] (default 0..T-1; restart per packed sample); segment_ids: [B, T] int, 0 = padding
-        (default: one sample per row, no padding).
+        (default: one sample per row, no padding). Attention runs block by block (``serving.ttt_attention``):
+        memory linear in T, no ``[T, T]`` mask.
         """
         b, t = input_ids.shape
         dev = input_ids.device
@@ -437,25 +439,19 @@ class Eagle3Drafter(nn.Module):
             segment_ids = torch.ones(b, t, dtype=torch.long, device=dev)
         attn = self.midlayer.self_attn
         rows = torch.arange(t, device=dev)
-        # step-0 visibility: causal within one sample
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]
-        causal = rows[None, :, None] >= rows[None, None, :]
-        # padding rows see only themselves, so no row is fully masked (a NaN there would poison gradients)
-        eye = torch.eye(t, dtype=torch.bool, device=dev)[None]
-        main_mask = ((same & causal & (segment_ids[:, :, None] > 0)) | eye)[:, None]  # [B, 1, T, T]
-
+        starts = segment_starts(segment_ids)
         h = self.fuse(aux)
         main: list[torch.Tensor] = []  # step 0's keys and values: the causal prefix every step reads
         keys: list[torch.Tensor] = []  # steps 1..j: each row sees only its own (the diagonal)
         values: list[torch.Tensor] = []
 
         def attend(q, k, v):
-            if not main:
+            if main:
+                keys.append(k)
+                values.append(v)
+            else:
                 main.extend((k, v))
-                return attn.sdpa(q, k, v, main_mask)
-            keys.append(k)
-            values.append(v)
-            return _ttt_attention(q, main[0], main[1], keys, values, main_mask, attn.scale)
+            return ttt_attention(q, main[0], main[1], keys, values, segment_ids, attn.scale, starts=starts)
 
         hidden_out: list[torch.Tensor] = []
         valid_out: list[torch.Tensor] = []
@@ -469,27 +465,6 @@ class Eagle3Drafter(nn.Module):
             hidden_out.append(h)
             valid_out.append(valid)
         return TTTOutput(hidden=hidden_out, valid=valid_out)
-
-
-def _ttt_attention(q, k0, v0, keys, values, main_mask, scale):
-    """Attention of unroll step j >= 1: causal over step-0 keys plus the diagonal of steps 1..j.
-
-    q: [B, h, T, d]; k0/v0 and each of keys/values: [B, kv, T, d]; main_mask: [B, 1, T, T] bool.
-    """
-    b, h, t, d = q.shape
-    kvh = k0.shape[1]
-    g = h // kvh
-    qg = q.view(b, kvh, g, t, d)  # heads grouped by their kv head
-    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in at least fp32
-    s_main = torch.einsum("bkgtd,bksd->bkgts", qg, k0).to(acc) * scale  # [B, kv, g, T, T]
-    s_main = s_main.masked_fill(~main_mask[:, :, None], float("-inf"))
-    s_diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys], dim=-1).to(acc) * scale  # [B,kv,g,T,j]
-    p = torch.softmax(torch.cat([s_main, s_diag], dim=-1), dim=-1)
-    p_main, p_diag = p[..., :t].to(q.dtype), p[..., t:].to(q.dtype)
-    o = torch.einsum("bkgts,bksd->bkgtd", p_main, v0)
-    vd = torch.stack(values, dim=-2)  # [B, kv, T, j, d]
-    o = o + torch.einsum("bkgtj,bktjd->bkgtd", p_diag, vd)
-    return o.reshape(b, h, t, d)
 
 
 # -- trained checkpoints (the trainer's format; serving/export.py writes the SGLang/vLLM one) -----------------------

@@ -90,10 +90,11 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
     src = cfg.data.source
     if src == "synthetic":
         return synthetic_run_data(target, cfg, rank, world)
-    from eyas.data.loader import FeatureLoader, LoaderConfig
+    from eyas.data.loader import FeatureLoader, LoaderConfig, resolve_max_tokens
 
     ef = cfg.data.eval_fraction
-    lc = dict(cfg.data.loader)
+    text = target.model.config.get_text_config()
+    lc = resolve_max_tokens(dict(cfg.data.loader), int(text.max_position_embeddings))
     if src == "store":
         from eyas.data.store import FeatureStore
 

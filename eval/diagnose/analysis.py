@@ -25,6 +25,7 @@ from eyas.eval.throughput import (
     StepPrediction,
     check_mismatch,
     levers,
+    predict_chain,
     price_step,
     sweep_chain,
 )
@@ -100,6 +101,86 @@ class CellRecommendation:
 
 
 @dataclass
+class ContextProjection:
+    """tokens/s of one chain method at one context length of a τ(context) measurement (``eyas context``),
+    priced with this run's step costs: with the τ measured at that length, and with this run's own τ held
+    constant (what a projection without long-context measurements assumes)."""
+
+    method: str
+    length: int
+    """Nominal context length of the measurement."""
+    context: float
+    """Mean context of its steps (where the costs are read)."""
+    k: int
+    """Chain length it was measured with."""
+    measured: StepPrediction
+    """τ measured at this length ÷ this run's step cost there."""
+    best_k: int
+    """The fastest chain length (0..k) at this length with the τ measured there."""
+    best: StepPrediction
+    constant: StepPrediction | None
+    """The same chain with the τ this run measured (its shortest context) ÷ the same step cost."""
+    constant_from: int | None
+    """The context length of this run whose τ is held constant."""
+    beyond_profile: bool
+    """The length lies past this run's longest profiled context: step costs are held at that context's."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("measured", "best", "constant"):
+            d[key] = None if getattr(self, key) is None else getattr(self, key).to_dict()
+        return d
+
+
+def project_context(
+    path: str, cells: list[CellResult], costs: CostCurves, specs: dict[str, MethodSpec]
+) -> list[ContextProjection]:
+    """Price every chain point of a τ(context) measurement with ``costs`` (see :class:`ContextProjection`)."""
+    from eyas.eval.context import load_tau_context
+
+    measured = load_tau_context(path)
+    costs = costs.monotone()
+    top = max(costs.context_lengths)
+    out = []
+    for p in measured.points:
+        spec = specs.get(p.method)
+        if (
+            spec is None
+            or spec.mode != "chain"
+            or spec.kind == "none"
+            or not p.accepted
+            or not p.chain_length
+        ):
+            continue  # only chain methods this run also measures can be priced with its costs
+        kind = drafter_kind(spec)
+        curve = AcceptanceCurve.from_steps(p.accepted, p.drafted, k=p.chain_length)
+        sweep = sweep_chain(costs, curve, p.mean_context, p.chain_length, kind)
+        own = [c for c in cells if c.method == p.method and c.curve is not None]
+        constant, constant_from = None, None
+        if own:
+            first = min(c.context for c in own)
+            ref = max((c for c in own if c.context == first), key=lambda c: c.steps)
+            k = min(p.chain_length, ref.curve.measured_k)
+            constant = predict_chain(costs, ref.curve, p.mean_context, k, kind)
+            constant_from = ref.context
+        out.append(
+            ContextProjection(
+                method=p.method,
+                length=p.length,
+                context=p.mean_context,
+                k=p.chain_length,
+                measured=sweep.options[p.chain_length],
+                best_k=sweep.best_k,
+                best=sweep.best,
+                constant=constant,
+                constant_from=constant_from,
+                beyond_profile=p.mean_context > top,
+            )
+        )
+    return out
+
+
+@dataclass
 class DiagnoseResult:
     config: dict[str, Any]
     target: dict[str, Any]
@@ -115,6 +196,8 @@ class DiagnoseResult:
     noise: str
     notes: list[str]
     wall_s: float
+    context_projections: list[ContextProjection] = field(default_factory=list)
+    """tokens/s at the lengths of ``tau_context``, from the τ measured there (empty without it)."""
 
     @property
     def flagged(self) -> list[CellResult]:
@@ -133,6 +216,7 @@ class DiagnoseResult:
             "noise": self.noise,
             "notes": self.notes,
             "wall_s": self.wall_s,
+            "context_projections": [p.to_dict() for p in self.context_projections],
         }
 
 
@@ -256,11 +340,18 @@ def analyse(
             "tree shapes are priced with their measured τ only (no tree shape is extrapolated); a tree "
             "expansion is priced as a drafter forward over topk context rows"
         )
+    costs = costs_from_samples([p for ps in m.samples.values() for p in ps])
+    projections = project_context(cfg.tau_context, cells, costs, specs) if cfg.tau_context else []
+    if any(p.beyond_profile for p in projections):
+        notes.append(
+            f"τ(context) lengths past the longest profiled context ({max(costs.context_lengths)}) are priced "
+            "with that context's step costs (add the lengths to `contexts` to time them)"
+        )
     return DiagnoseResult(
         config=_config_dict(cfg),
         target=target_info or {},
         drafter=drafter_source,
-        costs=costs_from_samples([p for ps in m.samples.values() for p in ps]),
+        costs=costs,
         cells=cells,
         recommendations=recs,
         acceptance=_acceptance(m, cfg, by_context=False),
@@ -268,6 +359,7 @@ def analyse(
         noise=noise,
         notes=notes,
         wall_s=m.wall_s,
+        context_projections=projections,
     )
 
 

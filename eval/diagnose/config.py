@@ -93,6 +93,10 @@ class DiagnoseConfig:
     """torch CPU threads (the entry point sets them; 1 is steadiest on a shared machine)."""
     out_dir: str = "runs/diagnose"
     """Where report.md, results.json and the plots go."""
+    tau_context: str | None = None
+    """τ measured against context length (``context.json`` from ``eyas context``, or its directory): each of its
+    (chain method, length) points is priced with this run's step costs, so tokens/s at long context uses the τ
+    measured there instead of this run's τ held constant (which the report shows alongside)."""
 
     def __post_init__(self) -> None:
         if self.chain_length <= 0:
@@ -146,6 +150,10 @@ class DiagnoseConfig:
         if self.statistic not in ("mean", "median", "min"):
             raise DiagnoseError(f"statistic must be mean, median or min, not {self.statistic!r}")
         SamplingConfig(self.temperature, self.top_p, self.seed)  # validates
+        if self.tau_context is not None and not Path(self.tau_context).exists():
+            raise DiagnoseError(
+                f"tau_context={self.tau_context}: no such file (write it with `eyas context`)"
+            )
 
     @property
     def sampling(self) -> SamplingConfig:

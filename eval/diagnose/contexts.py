@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from typing import Any
 
+from eyas.data.long_context import pad_to_context, turn_pairs
 from eyas.eval.acceptance import (
     PromptSetSpec,
 )
@@ -31,63 +30,12 @@ class ContextPrompts:
 
 
 def filler_pairs(corpus: str, limit: int = 64) -> list[list[dict[str, str]]]:
-    """(user, assistant) turn pairs from the first conversations of a corpus, to pad contexts with."""
-    from eyas.data.corpora.config import load_corpus_config
-    from eyas.data.corpora.sources import read_source
-
-    pairs: list[list[dict[str, str]]] = []
-    for src in load_corpus_config(corpus).sources:
-        for conv in itertools.islice(read_source(src), limit):
-            msgs = [m for m in conv.messages if m["role"] in ("user", "assistant")]
-            for u, a in zip(msgs, msgs[1:]):
-                if u["role"] == "user" and a["role"] == "assistant" and u["content"] and a["content"]:
-                    pairs.append(
-                        [
-                            {"role": "user", "content": u["content"]},
-                            {"role": "assistant", "content": a["content"]},
-                        ]
-                    )
-        if len(pairs) >= limit:
-            break
-    if not pairs:
-        raise DiagnoseError(f"filler corpus {corpus!r} has no user/assistant turn pairs to pad contexts with")
-    return pairs
-
-
-def pad_to_context(
-    messages: list[dict[str, Any]], pairs: list[list[dict[str, str]]], tokenizer, length: int, offset: int = 0
-) -> list[int]:
-    """Token ids of earlier filler turns + ``messages`` under the chat template, at most ``length`` tokens
-    (the last filler answer cut to fit), or the bare prompt when it alone is longer."""
-    from eyas.data.chat import format_prompt
-
-    ids = format_prompt(messages, tokenizer)
-    if len(ids) >= length:
-        return ids
-    chosen: list[dict[str, str]] = []
-    for j in range(4 * len(pairs)):
-        user, answer = pairs[(offset + j) % len(pairs)]
-        full = format_prompt(chosen + [user, answer] + messages, tokenizer)
-        if len(full) <= length:
-            chosen += [user, answer]
-            ids = full
-            if len(full) == length:
-                return ids
-            continue
-        words = tokenizer(answer["content"], add_special_tokens=False)["input_ids"]
-        lo, hi, best = 1, len(words) - 1, None
-        while lo <= hi:  # the longest cut of this answer that still fits
-            mid = (lo + hi) // 2
-            cut = {"role": "assistant", "content": tokenizer.decode(words[:mid])}
-            trial = format_prompt(chosen + [user, cut] + messages, tokenizer)
-            if len(trial) <= length:
-                best, lo = trial, mid + 1
-            else:
-                hi = mid - 1
-        if best is not None:
-            return best
-        # even the question alone is too long: try the next pair
-    return ids
+    """(user, assistant) turn pairs from the first conversations of a corpus, to pad contexts with
+    (:func:`data.long_context.turn_pairs`)."""
+    try:
+        return turn_pairs(corpus, limit)
+    except ValueError as e:
+        raise DiagnoseError(str(e)) from None
 
 
 def build_prompts(cfg: DiagnoseConfig, tokenizer) -> dict[str, ContextPrompts]:

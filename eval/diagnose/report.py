@@ -118,6 +118,24 @@ def recommendation_markdown(result: DiagnoseResult) -> str:
     return "\n".join(md)
 
 
+def context_projection_markdown(result: DiagnoseResult) -> str:
+    lines = [
+        "| method | L (mean) | K | τ measured at L | step ms | predicted tok/s | best K (tok/s) "
+        "| τ held constant (from L) | its tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in result.context_projections:
+        held = "—" if p.constant is None else f"{p.constant.tau:.2f} ({p.constant_from})"
+        held_rate = "—" if p.constant is None else f"{p.constant.tokens_per_s:.2f}"
+        mark = " (step cost held)" if p.beyond_profile else ""
+        lines.append(
+            f"| {p.method} | {p.length} ({p.context:.0f}){mark} | {p.k} | {p.measured.tau:.2f} "
+            f"| {p.measured.step_ms:.1f} | {p.measured.tokens_per_s:.2f} | {p.best_k} ({p.best.tokens_per_s:.2f}) "
+            f"| {held} | {held_rate} |"
+        )
+    return "\n".join(lines)
+
+
 def step_profile(costs: CostCurves) -> StepProfile:
     """The mean costs as an ``eval.profile.StepProfile`` (for ``eval.report.plot_step_time``)."""
     one_row = costs.draft_rows_ms.get(1, [0.0] * len(costs.context_lengths)) if costs.draft_step_ms else []
@@ -208,6 +226,17 @@ def write_report(result: DiagnoseResult, out_dir: str | Path, command: str | Non
         "",
         recommendation_markdown(result),
     ]
+    if result.context_projections:
+        md += [
+            f"## tokens/s against context from measured τ(context) (`{result.config.get('tau_context')}`)",
+            "",
+            "Each length's τ and acceptance per position were measured there (`eyas context`); the step costs are "
+            "this run's. The last columns hold this run's own τ constant instead, as a projection without "
+            "long-context measurements would.",
+            "",
+            context_projection_markdown(result),
+            "",
+        ]
     if result.notes:
         md += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
     for name, p in plots.items():
