@@ -71,7 +71,7 @@ def _launch(config: str, processes: int, overrides: list[str]) -> None:
             "--main_process_port",
             str(_free_port()),
             "-m",
-            "train",
+            "eyas.train",
             *overrides,
         ]
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -335,13 +335,21 @@ def load_checkpoint(
             raise CheckpointMismatchError(
                 f"checkpoint {path} holds no DeepSpeed state; resume without DeepSpeed"
             )
-        model.load_checkpoint(
-            str(path / "ds"),
-            tag="ds",
-            load_module_strict=False,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=False,
+        load_path, _ = _read(
+            path,
+            "ds",
+            lambda ds_dir: model.load_checkpoint(
+                str(ds_dir),
+                tag="ds",
+                load_module_strict=False,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            ),
         )
+        if load_path is None:  # DeepSpeed logs a missing file and returns (None, None)
+            raise DamagedCheckpointError(
+                f"checkpoint {path}: ds/ could not be loaded by DeepSpeed. {_way_out(path)}"
+            )
     else:
         if not (path / "optimizer.pt").exists():
             raise CheckpointMismatchError(
