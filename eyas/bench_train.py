@@ -251,14 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                         impl,
                         "--seq-len",
                         str(seq_len),
-                        "--steps",
-                        str(args.steps),
-                        "--warmup",
-                        str(args.warmup),
-                        "--threads",
-                        str(args.threads),
-                        "--ttt",
-                        str(args.ttt),
+                        *_timing_flags(args),
                     ]
                 )
                 results.append(res)
@@ -273,6 +266,20 @@ def main(argv: list[str] | None = None) -> None:
     for seq_len in args.seq_len:
         results += _train_runs(args, seq_len)
     _write(args, results)
+
+
+def _timing_flags(args: argparse.Namespace) -> list[str]:
+    """The flags a child run takes over from this one."""
+    return [
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--ttt",
+        str(args.ttt),
+    ]
 
 
 def _write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
@@ -300,14 +307,7 @@ def _train_runs(args: argparse.Namespace, seq_len: int) -> list[dict[str, Any]]:
                     mode,
                     "--oov",
                     args.oov,
-                    "--steps",
-                    str(args.steps),
-                    "--warmup",
-                    str(args.warmup),
-                    "--threads",
-                    str(args.threads),
-                    "--ttt",
-                    str(args.ttt),
+                    *_timing_flags(args),
                     "--seq-len",
                     str(seq_len),
                 ]
