@@ -147,8 +147,10 @@ def write_report(
     title: str = "eyas evaluation",
     chain_length: int | None = None,
     command: str | None = None,
+    sections: dict[str, str] | None = None,
 ) -> Path:
-    """Write ``report.md``, the plots and ``results.json`` into ``out_dir``; returns the report path."""
+    """Write ``report.md``, the plots and ``results.json`` into ``out_dir``; returns the report path.
+    ``sections``: further titled markdown sections, written after the result table."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = {
@@ -168,6 +170,8 @@ def write_report(
     if command:
         md += ["Reproduce with:", "", f"    {command}", ""]
     md += [markdown_table(acc), "", GREEDY_MATCH_NOTE, ""]
+    for name, text in (sections or {}).items():
+        md += [f"## {name}", "", text, ""]
     if extra:
         md += ["## Run facts", ""]
         md += [f"- **{k}**: {v}" for k, v in extra.items() if not isinstance(v, (dict, list))]

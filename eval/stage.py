@@ -17,6 +17,7 @@ import torch
 from eyas.common import ConfigError, build_config, json_hash
 from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
 from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
+from eyas.eval.recommend import ChainLengthRecommendation, recommend_chain_length
 from eyas.serving.target import Target, TargetConfig
 from eyas.serving.tree import TreeConfig
 from eyas.serving.verify import SamplingConfig
@@ -86,6 +87,8 @@ class EvalResult:
     profile: StepProfile | None
     report: Path
     seconds: float
+    chain_length: ChainLengthRecommendation | None = None
+    """The K to serve the EAGLE-3 chain with (needs ``profile``; see ``eval.recommend``)."""
 
 
 def run(
@@ -144,15 +147,23 @@ def run(
     if ecfg.profile is not None:
         pcfg = ecfg.profile
         sizes = sorted({1, ecfg.chain_length + 1, ecfg.tree.total_tokens + 1, *pcfg.verify_tokens})
-        prof = profile_steps(target, drafter, ProfileConfig(**{**asdict(pcfg), "verify_tokens": sizes}))
+        # drafter forwards over 1..K+1 rows price every shorter chain (the recommended K below)
+        rows = sorted({*pcfg.draft_rows, 1, ecfg.chain_length + 1})
+        prof = profile_steps(
+            target, drafter, ProfileConfig(**{**asdict(pcfg), "verify_tokens": sizes, "draft_rows": rows})
+        )
+    chain_k = recommend_chain_length(acc, prof)
     report = write_report(
         out,
         acc,
         prof,
-        extra=extra or {},
+        extra={**(extra or {}), **({"recommended_k": chain_k.to_dict()} if chain_k else {})},
+        sections={"Chain length to serve": chain_k.markdown()} if chain_k else None,
         title=title,
         chain_length=ecfg.chain_length,
         command=command,
     )
     print_table(acc)
-    return EvalResult(acc, prof, Path(report), time.perf_counter() - t0)
+    if chain_k:
+        print(f"recommended chain length: K={chain_k.best_k} (see {report})")
+    return EvalResult(acc, prof, Path(report), time.perf_counter() - t0, chain_k)

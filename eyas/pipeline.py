@@ -268,6 +268,10 @@ def stage_eval(
 
     job = EvalJob(eval=replace(ecfg, checkpoint=str(export_dir)), work_dir=str(work_dir))
     res = run_eval(job, target, extra, command, title="eyas: the whole pipeline on one config")
+    if res.chain_length is not None:  # the export is served at the K this evaluation measured fastest
+        from eyas.serving.export import print_serving, record_serving
+
+        print_serving(record_serving(export_dir, res.chain_length.best_k, f"eval report {res.report}"))
     return (
         res.acceptance,
         res.profile,

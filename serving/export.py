@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.common import ConfigError, InputError, base_config, ensure_out_dir, exit_on_config_error
+from eyas.common import (
+    ConfigError,
+    InputError,
+    atomic_write_bytes,
+    base_config,
+    ensure_out_dir,
+    exit_on_config_error,
+)
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
 from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
 from eyas.serving.target import TargetConfig, aux_layer_problem
@@ -84,7 +92,9 @@ class ExportConfig:
     include_embedding: bool | None = None
     """Write ``embed_tokens.weight`` (the target's). None: no for ``sglang``, yes for ``speculators``."""
     speculative_tokens: int = 3
-    """speculators format only: draft length of the greedy proposal (vLLM's default ``num_speculative_tokens``)."""
+    """The chain length to serve with: recorded in ``eyas_export.json`` (``serve``) with the vLLM and SGLang
+    command lines, and, in the speculators format, the greedy proposal's length in its config. An evaluation
+    replaces the recorded one with the K it measures fastest (:func:`record_serving`)."""
     vllm_aux_ids: bool = True
     """sglang format only: also write top-level ``eagle_aux_hidden_state_layer_ids`` in vLLM's convention."""
     verifier: str | None = None
@@ -574,6 +584,9 @@ def export(
         "embed_scale": drafter.config.embed_scale,
         "embedding_included": include,
         "drafter_config": drafter.config.to_dict(),
+        "serve": serving_block(
+            out, spec.source or spec.name, cfg.speculative_tokens, "export.speculative_tokens"
+        ),
     }
     _write_atomically(out, cfg_json, written, sidecar, cfg.overwrite)
     num_bytes = sum(t.numel() * t.element_size() for t in written.values())
@@ -586,6 +599,58 @@ def export(
         num_bytes=num_bytes,
         embedding_included=include,
     )
+
+
+def serving_commands(export_dir: str | os.PathLike, target_ref: str, k: int) -> dict[str, str]:
+    """The vLLM and SGLang command lines that serve ``target_ref`` with the export at ``export_dir`` as its
+    EAGLE-3 drafter, drafting a chain of ``k`` tokens per step."""
+    d = str(Path(export_dir).resolve())
+    spec = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": k}, separators=(",", ":"))
+    return {
+        "vllm": f"vllm serve {shlex.quote(target_ref)} --speculative-config {shlex.quote(spec)}",
+        "sglang": (
+            f"python -m sglang.launch_server --model-path {shlex.quote(target_ref)} "
+            f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(d)} "
+            f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+        ),
+    }
+
+
+def serving_block(export_dir: str | os.PathLike, target_ref: str, k: int, source: str) -> dict[str, Any]:
+    """``eyas_export.json``'s ``serve`` entry: the chain length, where it came from, and the command lines (none
+    when ``k`` is 0, i.e. when plain decoding was measured faster than any chain)."""
+    block: dict[str, Any] = {"num_speculative_tokens": k, "source": source, "target": target_ref}
+    if k > 0:
+        block["commands"] = serving_commands(export_dir, target_ref, k)
+    else:
+        block["note"] = "plain decoding was predicted faster than any chain length on the evaluated prompts"
+    return block
+
+
+def record_serving(export_dir: str | os.PathLike, k: int, source: str) -> dict[str, Any]:
+    """Record chain length ``k`` (from ``source``, e.g. an evaluation report) in an export's ``eyas_export.json``
+    (rewritten atomically) and return the new ``serve`` entry."""
+    d = Path(export_dir)
+    sidecar = json.loads((d / EYAS_SIDECAR).read_text())
+    target_ref = (sidecar.get("serve") or {}).get("target") or sidecar.get("target", {}).get(
+        "name", "<target>"
+    )
+    sidecar["serve"] = serving_block(d, target_ref, k, source)
+    atomic_write_bytes(d / EYAS_SIDECAR, (json.dumps(sidecar, indent=2, default=str) + "\n").encode())
+    os.chmod(d / EYAS_SIDECAR, 0o644)  # as export wrote it, whatever the umask
+    return sidecar["serve"]
+
+
+def print_serving(serve: dict[str, Any] | None) -> None:
+    """Print an export's ``serve`` entry as the command lines to run."""
+    if not serve:
+        return
+    if not serve.get("commands"):
+        print(f"serve: {serve.get('note', 'no chain length recorded')} ({serve.get('source')})")
+        return
+    print(f"serve with K={serve['num_speculative_tokens']} (from {serve['source']}):")
+    for engine, cmd in serve["commands"].items():
+        print(f"  {engine}: {cmd}")
 
 
 def export_sglang(drafter: Eagle3Drafter, target, out_dir, **kw: Any) -> ExportResult:
@@ -814,6 +879,7 @@ def describe_export(path: str | os.PathLike) -> dict[str, Any]:
         "draft_vocab_size": dcfg.draft_vocab_size,
         "max_position_embeddings": dcfg.max_position_embeddings,
         "rope": dcfg.rope_parameters,
+        "serve": sidecar.get("serve"),
         "weights_mib": round(size / 2**20, 2),
         "target": sidecar.get("target"),
     }
@@ -898,7 +964,9 @@ def main() -> None:
         from eyas.common import load_job
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        print(json.dumps(run(load_job(cfg, ExportJob)), indent=1, default=str))
+        res = run(load_job(cfg, ExportJob))
+        print(json.dumps(res, indent=1, default=str))
+        print_serving(res.get("serve"))
 
     _app()
 

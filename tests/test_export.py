@@ -421,3 +421,31 @@ def test_load_refuses_speculators_config_without_explicit_norm_before_residual(t
     path.write_text(json.dumps(c))
     with pytest.raises(ExportError, match="norm_before_residual is None"):
         load_exported(tmp_path / "out")
+
+
+def test_the_export_records_how_to_serve_it_and_an_evaluation_can_change_k(tmp_path):
+    from eyas.serving.export import describe_export, record_serving
+
+    d, cfg = make_drafter()
+    out = tmp_path / "out"
+    export(d, spec_for(cfg), out, "sglang", config=ExportConfig(speculative_tokens=5))
+    serve = describe_export(out)["serve"]
+    assert serve["num_speculative_tokens"] == 5 and serve["source"] == "export.speculative_tokens"
+    vllm, sglang = serve["commands"]["vllm"], serve["commands"]["sglang"]
+    spec = json.loads(vllm.split("--speculative-config ", 1)[1].strip("'"))
+    assert spec == {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": 5}
+    assert vllm.startswith("vllm serve tiny-target ")
+    assert "--speculative-num-steps 5 " in sglang and sglang.endswith("--speculative-num-draft-tokens 6")
+    assert f"--speculative-draft-model-path {out.resolve()}" in sglang
+
+    old = os.umask(0o077)
+    try:
+        serve = record_serving(out, 2, "eval report r.md")
+    finally:
+        os.umask(old)
+    assert describe_export(out)["serve"] == serve
+    assert serve["num_speculative_tokens"] == 2 and serve["source"] == "eval report r.md"
+    assert '"num_speculative_tokens":2' in serve["commands"]["vllm"]
+    assert stat.S_IMODE((out / "eyas_export.json").stat().st_mode) == 0o644
+    serve = record_serving(out, 0, "eval report r.md")  # plain decoding measured fastest: no command
+    assert "commands" not in serve and "plain decoding" in serve["note"]
