@@ -1,8 +1,15 @@
 """Real multi-process runs through ``accelerate launch -m eyas.train``: 2-process gloo DDP, DeepSpeed ZeRO-3 (2 processes)
-and ZeRO-2 (1 process) each reach the weights of the single-process run with the same global batch."""
+and ZeRO-2 (1 process) each reach the weights of the single-process run with the same global batch; so do DDP,
+ZeRO-2 and ZeRO-3 launched as two loopback "nodes" (two ``accelerate launch --num_machines 2 --machine_rank R``
+processes of one worker each, see tests/launch.py).
+
+Tolerances (fp32 weights after 4 AdamW steps, max absolute difference): DDP 1e-6 (its all-reduce sums two
+micro-batch gradients in another order than one process's accumulation); DeepSpeed 1e-5 (its fp32 flat
+buffers and reduce-scatter change the summation order again)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -14,8 +21,11 @@ import torch
 
 from eyas.train.checkpoint import latest_checkpoint, load_weights
 
+from .launch import launch_two_nodes, needs_accelerate, needs_deepspeed
+
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, needs_accelerate]
+DDP_ATOL, DEEPSPEED_ATOL = 1e-6, 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +123,44 @@ def single(tiny_dir, tmp_path_factory):
 
 def test_ddp_two_processes_equal_single_process_same_global_batch(tiny_dir, single, tmp_path):
     _launch("cpu_ddp", 2, _overrides(tiny_dir, tmp_path, 1))
-    _assert_same(_weights(tmp_path), single, atol=1e-6)
+    _assert_same(_weights(tmp_path), single, atol=DDP_ATOL)
     train_lines = [x for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in x]
     assert len(train_lines) == 4 and '"tokens": 64' in train_lines[0]  # both processes' tokens counted
 
 
+@needs_deepspeed
 def test_deepspeed_zero3_two_processes_equal_single_process(tiny_dir, single, tmp_path):
     _launch("zero3_cpu", 2, _overrides(tiny_dir, tmp_path, 1))
     assert (latest_checkpoint(tmp_path / "checkpoints") / "ds").is_dir()
-    _assert_same(_weights(tmp_path), single, atol=1e-5)
+    _assert_same(_weights(tmp_path), single, atol=DEEPSPEED_ATOL)
 
 
+@needs_deepspeed
 def test_deepspeed_zero2_one_process_with_accumulation_equals_single_process(tiny_dir, single, tmp_path):
     _launch("zero2_cpu", 1, _overrides(tiny_dir, tmp_path, 2))
-    _assert_same(_weights(tmp_path), single, atol=1e-5)
+    _assert_same(_weights(tmp_path), single, atol=DEEPSPEED_ATOL)
+
+
+# -- two loopback nodes: one worker per machine rank ---------------------------------------------------------------
+def _two_node_train(config: str, tiny_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Train on two loopback nodes (one worker each, one micro-batch per step: the single run's global batch)."""
+    launch_two_nodes(config, ["-m", "eyas.train", *_overrides(tiny_dir, out, 1)], out / "logs")
+    ckpt = latest_checkpoint(out / "checkpoints")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["world_size"] == 2, state
+    assert (ckpt / "ds").is_dir() == config.startswith("zero"), "DeepSpeed runs save its engine checkpoint"
+    return _weights(out)
+
+
+def test_ddp_two_nodes_equal_single_process_same_global_batch(tiny_dir, single, tmp_path):
+    _assert_same(_two_node_train("cpu_ddp", tiny_dir, tmp_path), single, atol=DDP_ATOL)
+
+
+@needs_deepspeed
+def test_deepspeed_zero2_two_nodes_equal_single_process(tiny_dir, single, tmp_path):
+    _assert_same(_two_node_train("zero2_cpu", tiny_dir, tmp_path), single, atol=DEEPSPEED_ATOL)
+
+
+@needs_deepspeed
+def test_deepspeed_zero3_two_nodes_equal_single_process(tiny_dir, single, tmp_path):
+    _assert_same(_two_node_train("zero3_cpu", tiny_dir, tmp_path), single, atol=DEEPSPEED_ATOL)
