@@ -198,6 +198,7 @@ def _extract(samples, target, out_dir: Path, cfg, codec, fresh: Manifest, ranks:
         group.barrier()  # every rank has read the part files before any rewrites its own
 
         done: dict[int, ShardEntry] = {}
+        skipped: list[int] = []
         done_lock = threading.Lock()  # the writer thread records while this one notes skipped shards
         part = out_dir / part_name(ranks.rank)
 
@@ -240,6 +241,7 @@ def _extract(samples, target, out_dir: Path, cfg, codec, fresh: Manifest, ranks:
                     if problem is None:
                         with done_lock:
                             done[k] = old
+                        skipped.append(k)
                         bar.update(len(chunk))
                         continue
                     log.warning("re-extracting shard %d: %s", k, problem)
@@ -257,6 +259,13 @@ def _extract(samples, target, out_dir: Path, cfg, codec, fresh: Manifest, ranks:
             writer.close()
             bar.close()
         report.written = writer.written
+        log.info(
+            "rank %d/%d: extracted shards %s, found shards %s finished",
+            ranks.rank,
+            ranks.world,
+            sorted(set(done) - set(skipped)),
+            skipped,
+        )
     except Exception as e:
         if failure is None:
             failure = e

@@ -41,12 +41,20 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def launch_two_nodes(config: str, module_args: list[str], log_dir: Path, *, timeout: float = 240.0) -> None:
+def launch_two_nodes(
+    config: str,
+    module_args: list[str],
+    log_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 240.0,
+) -> None:
     """Run ``accelerate launch --config_file conf/accelerate/{config}.yaml --num_machines 2 --machine_rank R
     --main_process_ip 127.0.0.1 --main_process_port P --num_processes 2 ...module_args`` for R = 0 and 1 at
     once; fail with both logs unless both exit 0 within ``timeout`` seconds. Once one node fails (or time runs
-    out) both process groups are killed, so a rank left waiting in a collective never outlives the test."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    out) both process groups are killed, so a rank left waiting in a collective never outlives the test. The
+    nodes' output goes to ``log_dir/node{R}.log``; ``env`` adds to the environment of both."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
     for attempt in range(2):  # another job on this machine may take the free port between probe and bind
         port = free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
