@@ -1,6 +1,9 @@
 """Feature extraction: run the target over formatted samples and write the feature store.
 
 ``python -m eyas.data.extract extract.samples=samples.jsonl extract.out_dir=runs/store`` (Hydra; any ``target=``).
+Data parallel, on one node or several: the same command under ``accelerate launch`` or ``torchrun``; rank r
+extracts shards r, r + world, ... into the shared ``out_dir`` (:mod:`eyas.data.extract_ranks`), and the store
+equals the single-process one byte for byte.
 
 Design decisions:
 - Shard k holds samples ``[k * shard_size, (k + 1) * shard_size)`` of the input order, and its micro-batches are

@@ -41,6 +41,48 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _node_command(config: str, rank: int, port: int) -> list[str]:
+    """The launcher of machine ``rank``: ``accelerate launch`` with ``conf/accelerate/{config}.yaml``, or
+    ``torchrun`` (``config="torchrun"``: c10d rendezvous at the endpoint; ranks by arrival)."""
+    if config == "torchrun":
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(rank),
+            "--nproc_per_node",
+            "1",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_id",
+            f"eyas-test-{port}",
+            "--rdzv_endpoint",
+            f"127.0.0.1:{port}",
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"conf/accelerate/{config}.yaml",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        str(rank),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        "--num_processes",
+        "2",
+        "--num_cpu_threads_per_process",
+        "1",
+    ]
+
+
 def launch_two_nodes(
     config: str,
     module_args: list[str],
@@ -51,9 +93,10 @@ def launch_two_nodes(
 ) -> None:
     """Run ``accelerate launch --config_file conf/accelerate/{config}.yaml --num_machines 2 --machine_rank R
     --main_process_ip 127.0.0.1 --main_process_port P --num_processes 2 ...module_args`` for R = 0 and 1 at
-    once; fail with both logs unless both exit 0 within ``timeout`` seconds. Once one node fails (or time runs
-    out) both process groups are killed, so a rank left waiting in a collective never outlives the test. The
-    nodes' output goes to ``log_dir/node{R}.log``; ``env`` adds to the environment of both."""
+    once (``config="torchrun"``: ``torchrun --nnodes 2 --node_rank R --rdzv_endpoint 127.0.0.1:P ...``); fail
+    with both logs unless both exit 0 within ``timeout`` seconds. Once one node fails (or time runs out) both
+    process groups are killed, so a rank left waiting in a collective never outlives the test. The nodes'
+    output goes to ``log_dir/node{R}.log``; ``env`` adds to the environment of both."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
     for attempt in range(2):  # another job on this machine may take the free port between probe and bind
         port = free_port()
@@ -61,26 +104,7 @@ def launch_two_nodes(
         logs = [(log_dir / f"node{rank}.log").open("w") for rank in range(2)]
         procs = [
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "accelerate.commands.launch",
-                    "--config_file",
-                    f"conf/accelerate/{config}.yaml",
-                    "--num_machines",
-                    "2",
-                    "--machine_rank",
-                    str(rank),
-                    "--main_process_ip",
-                    "127.0.0.1",
-                    "--main_process_port",
-                    str(port),
-                    "--num_processes",
-                    "2",
-                    "--num_cpu_threads_per_process",
-                    "1",
-                    *module_args,
-                ],
+                [*_node_command(config, rank, port), *module_args],
                 cwd=REPO,
                 env=env,
                 stdout=logs[rank],

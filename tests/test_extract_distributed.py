@@ -44,8 +44,14 @@ def single_store(tiny_target_dir, samples_file, tmp_path_factory) -> Path:
 
 
 def _launch(
-    tiny_target_dir: Path, samples_file: Path, out: Path, logs: Path, env: dict[str, str] | None = None
-):
+    tiny_target_dir: Path,
+    samples_file: Path,
+    out: Path,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    launcher: str = "cpu_ddp",
+) -> None:
+    """``python -m eyas.data.extract`` on two loopback nodes (``launcher``: an accelerate config or torchrun)."""
     args = [
         "-m",
         "eyas.data.extract",
@@ -58,7 +64,7 @@ def _launch(
         "extract.progress=false",
         f"hydra.run.dir={logs}/hydra",
     ]
-    launch_two_nodes("cpu_ddp", args, logs, env=env)
+    launch_two_nodes(launcher, args, logs, env=env)
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -102,3 +108,14 @@ def test_two_node_extraction_killed_on_one_rank_resumes_to_the_same_store(
     log = (tmp_path / "resumed" / "node1.log").read_text()
     assert "rank 1/2: extracted shards [3, 5], found shards [1] finished" in log, log[-3000:]
     _assert_same_store(out, single_store)
+
+
+def test_two_torchrun_node_extraction_equals_single_process_store(
+    tiny_target_dir, samples_file, single_store, tmp_path
+):
+    """``torchrun --nnodes 2 --rdzv_endpoint ... -m eyas.data.extract`` (ranks are given by the rendezvous)."""
+    out = tmp_path / "store"
+    _launch(tiny_target_dir, samples_file, out, tmp_path / "logs", launcher="torchrun")
+    _assert_same_store(out, single_store)
+    logs = "".join((tmp_path / "logs" / f"node{r}.log").read_text() for r in range(2))
+    assert "rank 0/2: extracted shards [0, 2, 4]" in logs and "rank 1/2: extracted shards [1, 3, 5]" in logs

@@ -136,7 +136,7 @@ def _two_node_train(config: str, tiny_target_dir: Path, out: Path) -> dict[str, 
     ckpt = latest_checkpoint(out / "checkpoints")
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["world_size"] == 2, state
-    assert (ckpt / "ds").is_dir() == config.startswith("zero"), "DeepSpeed runs save its engine checkpoint"
+    assert (ckpt / "ds").is_dir() == config.startswith("zero"), "DeepSpeed runs save their engine checkpoint"
     return _weights(out)
 
 
@@ -152,3 +152,8 @@ def test_deepspeed_zero2_two_nodes_equal_single_process(tiny_target_dir, single,
 @needs_deepspeed
 def test_deepspeed_zero3_two_nodes_equal_single_process(tiny_target_dir, single, tmp_path):
     _assert_same(_two_node_train("zero3_cpu", tiny_target_dir, tmp_path), single, atol=DEEPSPEED_ATOL)
+
+
+def test_ddp_two_torchrun_nodes_equal_single_process(tiny_target_dir, single, tmp_path):
+    """The same without accelerate's launcher: ``torchrun --nnodes 2 --rdzv_endpoint ...`` (the README's command)."""
+    _assert_same(_two_node_train("torchrun", tiny_target_dir, tmp_path), single, atol=DDP_ATOL)
