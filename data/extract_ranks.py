@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
@@ -42,6 +42,12 @@ from eyas.data.store import (
     StoreError,
     check_shard_file,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from eyas.data.extract import ExtractConfig, ExtractResult
+    from eyas.data.types import Sample
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +151,15 @@ def _load_parts(out_dir: Path) -> dict[int, ShardEntry]:
     return found
 
 
-def extract_ranks(samples, target, out_dir: Path, cfg, codec: FeatureCodec, fresh: Manifest, ranks: Ranks):
+def extract_ranks(
+    samples: Iterable[Sample],
+    target,
+    out_dir: Path,
+    cfg: ExtractConfig,
+    codec: FeatureCodec,
+    fresh: Manifest,
+    ranks: Ranks,
+) -> ExtractResult:
     """This rank's share of the extraction of ``samples`` into ``out_dir`` (see the module doc); the job's
     :class:`~eyas.data.extract.ExtractResult`, the same on every rank."""
     group = _Group(ranks, cfg.rank_timeout_s)
@@ -159,7 +173,16 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _extract(samples, target, out_dir: Path, cfg, codec, fresh: Manifest, ranks: Ranks, group: _Group):
+def _extract(
+    samples: Iterable[Sample],
+    target,
+    out_dir: Path,
+    cfg: ExtractConfig,
+    codec: FeatureCodec,
+    fresh: Manifest,
+    ranks: Ranks,
+    group: _Group,
+) -> ExtractResult:
     from eyas.data.extract import (
         ExtractResult,
         _chunks,
@@ -199,7 +222,7 @@ def _extract(samples, target, out_dir: Path, cfg, codec, fresh: Manifest, ranks:
 
         done: dict[int, ShardEntry] = {}
         skipped: list[int] = []
-        done_lock = threading.Lock()  # the writer thread records while this one notes skipped shards
+        done_lock = threading.Lock()  # the writer thread records written shards, this one skipped ones
         part = out_dir / part_name(ranks.rank)
 
         def record(index: int, entry: ShardEntry) -> None:
@@ -239,8 +262,7 @@ def _extract(samples, target, out_dir: Path, cfg, codec, fresh: Manifest, ranks:
                 if old is not None:
                     problem = check_shard_file(out_dir, k, old, full=cfg.verify_resume == "full")
                     if problem is None:
-                        with done_lock:
-                            done[k] = old
+                        record(k, old)  # into this rank's part file too: the old one may be overwritten
                         skipped.append(k)
                         bar.update(len(chunk))
                         continue

@@ -90,13 +90,15 @@ def launch_two_nodes(
     *,
     env: dict[str, str] | None = None,
     timeout: float = 240.0,
-) -> None:
+    check: bool = True,
+) -> list[int]:
     """Run ``accelerate launch --config_file conf/accelerate/{config}.yaml --num_machines 2 --machine_rank R
     --main_process_ip 127.0.0.1 --main_process_port P --num_processes 2 ...module_args`` for R = 0 and 1 at
     once (``config="torchrun"``: ``torchrun --nnodes 2 --node_rank R --rdzv_endpoint 127.0.0.1:P ...``); fail
     with both logs unless both exit 0 within ``timeout`` seconds. Once one node fails (or time runs out) both
     process groups are killed, so a rank left waiting in a collective never outlives the test. The nodes'
-    output goes to ``log_dir/node{R}.log``; ``env`` adds to the environment of both."""
+    output goes to ``log_dir/node{R}.log``; ``env`` adds to the environment of both. ``check=False``: return
+    the launchers' exit codes instead of failing (-9: killed here, as a node left waiting or out of time)."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", **(env or {})}
     for attempt in range(2):  # another job on this machine may take the free port between probe and bind
         port = free_port()
@@ -134,8 +136,10 @@ def launch_two_nodes(
             text.append(f"--- machine_rank {rank} (exit {codes[rank]}) ---\n{tail}")
         report = "\n".join(text)
         if codes == [0, 0]:
-            return
+            return codes
         if attempt or "address already in use" not in report.lower():
             break
+    if not check:
+        return codes
     timed_out = f" (timed out after {timeout:.0f} s)" if time.monotonic() > deadline else ""
     pytest.fail(f"two-node launch of {module_args[:2]} failed{timed_out}:\n{report}")

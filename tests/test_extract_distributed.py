@@ -5,6 +5,7 @@ shard, byte for byte (manifest included), and a run killed on one rank resumes t
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,11 @@ def _launch(
     logs: Path,
     env: dict[str, str] | None = None,
     launcher: str = "cpu_ddp",
-) -> None:
-    """``python -m eyas.data.extract`` on two loopback nodes (``launcher``: an accelerate config or torchrun)."""
+    check: bool = True,
+    **settings,
+) -> list[int]:
+    """``python -m eyas.data.extract`` on two loopback nodes (``launcher``: an accelerate config or torchrun);
+    the nodes' exit codes (see :func:`launch_two_nodes`)."""
     args = [
         "-m",
         "eyas.data.extract",
@@ -60,11 +64,11 @@ def _launch(
         "target.device=cpu",
         f"extract.samples={samples_file}",
         f"extract.out_dir={out}",
-        *(f"extract.{k}={v}" for k, v in SETTINGS.items()),
+        *(f"extract.{k}={v}" for k, v in {**SETTINGS, **settings}.items()),
         "extract.progress=false",
         f"hydra.run.dir={logs}/hydra",
     ]
-    launch_two_nodes(launcher, args, logs, env=env)
+    return launch_two_nodes(launcher, args, logs, env=env, check=check)
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -99,8 +103,10 @@ def test_two_node_extraction_killed_on_one_rank_resumes_to_the_same_store(
 ):
     out = tmp_path / "store"
     # rank 1 dies half-way through writing shard 3 (its second); rank 0 is then killed by the launcher helper
-    with pytest.raises(pytest.fail.Exception, match="failed"):
-        _launch(tiny_target_dir, samples_file, out, tmp_path / "killed", env={KILL_HOOK_ENV: "3"})
+    codes = _launch(
+        tiny_target_dir, samples_file, out, tmp_path / "killed", env={KILL_HOOK_ENV: "3"}, check=False
+    )
+    assert codes[1] not in (0, -9), codes  # node 1's launcher reports its killed worker
     part = json.loads((out / "manifest.rank00001.json").read_text())
     assert sorted(part["shards"]) == ["1"], part  # shard 1 finished before the kill, shard 3 did not
     assert not Manifest.load(out).complete
@@ -119,3 +125,18 @@ def test_two_torchrun_node_extraction_equals_single_process_store(
     _assert_same_store(out, single_store)
     logs = "".join((tmp_path / "logs" / f"node{r}.log").read_text() for r in range(2))
     assert "rank 0/2: extracted shards [0, 2, 4]" in logs and "rank 1/2: extracted shards [1, 3, 5]" in logs
+
+
+def test_two_node_resume_with_other_settings_is_refused_on_every_node(
+    tiny_target_dir, samples_file, single_store, tmp_path
+):
+    """Rank 0 refuses the store; rank 1 hears it and stops too (exits by itself, not left waiting)."""
+    out = tmp_path / "store"
+    shutil.copytree(single_store, out)
+    before = _files(out)
+    codes = _launch(tiny_target_dir, samples_file, out, tmp_path / "logs", check=False, shard_size=5)
+    assert 0 not in codes and -9 not in codes, codes
+    logs = [(tmp_path / "logs" / f"node{r}.log").read_text() for r in range(2)]
+    assert "shard_size: store 4, this run 5" in logs[0], logs[0][-3000:]
+    assert "rank 0 could not open the feature store" in logs[1], logs[1][-3000:]
+    assert _files(out) == before
