@@ -54,7 +54,7 @@ from eyas.common import (
     load_job,
 )
 from eyas.data.corpora.readers import iter_jsonl
-from eyas.data.extract_ranks import Ranks, extract_ranks
+from eyas.data.extract_ranks import PART_GLOB, Ranks, extract_ranks
 from eyas.data.store import (
     MANIFEST,
     BytesPerToken,
@@ -543,6 +543,8 @@ def _extract_locked(
     if not manifest.complete:
         manifest.complete = True
         manifest.save(out_dir)
+    for part in out_dir.glob(PART_GLOB):  # left by a killed data-parallel run that this process finished
+        part.unlink()
     d = manifest.to_dict()
     tot = d["totals"]
     result = ExtractResult(

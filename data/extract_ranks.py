@@ -141,12 +141,7 @@ def _load_parts(out_dir: Path) -> dict[int, ShardEntry]:
         try:
             d = json.loads(p.read_text())
             found.update({int(k): ShardEntry(**v) for k, v in d["shards"].items()})
-        except (
-            OSError,
-            ValueError,
-            KeyError,
-            TypeError,
-        ) as e:  # a part file is a hint: its shards are redone
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a hint only: its shards are redone
             log.warning("ignoring unreadable part file %s (%s)", p, e)
     return found
 

@@ -1,6 +1,7 @@
 """Data-parallel extraction launched for real on two loopback "nodes" (``accelerate launch --num_machines 2
 --machine_rank R -m eyas.data.extract``, one worker each): the store equals a single-process store shard for
-shard, byte for byte (manifest included), and a run killed on one rank resumes to that same store."""
+shard, byte for byte (manifest included); a run killed on one rank resumes to that same store (on two nodes or
+one process); a store refused by rank 0 stops every node."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data.extract import KILL_HOOK_ENV, ExtractConfig, extract
+from eyas.data.extract import KILL_HOOK_ENV, ExtractConfig, extract, read_samples_jsonl
 from eyas.data.store import FeatureStore, Manifest
 from eyas.serving.target import TargetConfig, load_target
 
@@ -32,14 +33,16 @@ def samples_file(tmp_path_factory) -> Path:
     return p
 
 
+def _target(tiny_target_dir: Path):
+    return load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32", device="cpu"))
+
+
 @pytest.fixture(scope="module")
 def single_store(tiny_target_dir, samples_file, tmp_path_factory) -> Path:
     """The reference: the same samples extracted by one process (this one, on one thread like the workers)."""
-    from eyas.data.extract import read_samples_jsonl
-
     out = tmp_path_factory.mktemp("single_store")
-    target = load_target(TargetConfig(path=str(tiny_target_dir), dtype="float32", device="cpu"))
-    res = extract(read_samples_jsonl(samples_file), target, out, ExtractConfig(progress=False, **SETTINGS))
+    cfg = ExtractConfig(progress=False, **SETTINGS)
+    res = extract(read_samples_jsonl(samples_file), _target(tiny_target_dir), out, cfg)
     assert (res.num_shards, res.num_samples) == (6, NUM_SAMPLES)
     return out
 
@@ -110,6 +113,15 @@ def test_two_node_extraction_killed_on_one_rank_resumes_to_the_same_store(
     part = json.loads((out / "manifest.rank00001.json").read_text())
     assert sorted(part["shards"]) == ["1"], part  # shard 1 finished before the kill, shard 3 did not
     assert not Manifest.load(out).complete
+    alone = tmp_path / "finished_alone"  # a single process may finish it too (and drops the part files)
+    shutil.copytree(out, alone)
+    extract(
+        read_samples_jsonl(samples_file),
+        _target(tiny_target_dir),
+        alone,
+        ExtractConfig(progress=False, **SETTINGS),
+    )
+    _assert_same_store(alone, single_store)
     _launch(tiny_target_dir, samples_file, out, tmp_path / "resumed")
     log = (tmp_path / "resumed" / "node1.log").read_text()
     assert "rank 1/2: extracted shards [3, 5], found shards [1] finished" in log, log[-3000:]
