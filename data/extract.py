@@ -1,6 +1,9 @@
 """Feature extraction: run the target over formatted samples and write the feature store.
 
 ``python -m eyas.data.extract extract.samples=samples.jsonl extract.out_dir=runs/store`` (Hydra; any ``target=``).
+Data parallel, on one node or several: the same command under ``accelerate launch`` or ``torchrun``; rank r
+extracts shards r, r + world, ... into the shared ``out_dir`` (:mod:`eyas.data.extract_ranks`), and the store
+equals the single-process one byte for byte.
 
 Design decisions:
 - Shard k holds samples ``[k * shard_size, (k + 1) * shard_size)`` of the input order, and its micro-batches are
@@ -31,7 +34,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import chain, islice
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
 from eyas.common import (
+    WRITE_PROBE_PREFIX,
     ConfigError,
     InputError,
     base_config,
@@ -50,6 +54,7 @@ from eyas.common import (
     load_job,
 )
 from eyas.data.corpora.readers import iter_jsonl
+from eyas.data.extract_ranks import PART_GLOB, Ranks, extract_ranks
 from eyas.data.store import (
     MANIFEST,
     BytesPerToken,
@@ -95,6 +100,8 @@ class ExtractConfig:
     """Check of the already-written shards on resume: ``header`` (presence, size, header) or ``full`` (sha256)."""
     progress: bool = True
     """Show a tqdm progress bar."""
+    rank_timeout_s: float = 86400.0
+    """Data-parallel runs: how long a rank waits for the others (at the end, for the slowest one)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.store, Mapping):
@@ -103,6 +110,8 @@ class ExtractConfig:
             raise ValueError(f"extract.shard_size must be >= 1, not {self.shard_size}")
         if self.max_batch_tokens < 1 or self.max_batch_rows < 1:
             raise ValueError("extract.max_batch_tokens and extract.max_batch_rows must be >= 1")
+        if self.rank_timeout_s <= 0:
+            raise ValueError(f"extract.rank_timeout_s must be > 0, not {self.rank_timeout_s}")
         if self.verify_resume not in ("header", "full"):
             raise ValueError(f"extract.verify_resume must be 'header' or 'full', not {self.verify_resume!r}")
 
@@ -272,11 +281,12 @@ def codec_for(target, options: StoreOptions) -> FeatureCodec:
 
 # -- the job ------------------------------------------------------------------------------------------------------
 class _ShardWriter:
-    """Writes shards in order (optionally in one background thread) and rewrites the manifest after each."""
+    """Writes shards in order (optionally in one background thread) and hands each one's entry to ``record``
+    (which rewrites the manifest, or this rank's part of it) once the file is in place."""
 
-    def __init__(self, out_dir: Path, manifest: Manifest, threaded: bool):
+    def __init__(self, out_dir: Path, record: Callable[[int, ShardEntry], None], threaded: bool):
         self.out_dir = out_dir
-        self.manifest = manifest
+        self.record = record
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") if threaded else None
         self.pending: Future | None = None
         kill = os.environ.get(KILL_HOOK_ENV)
@@ -320,15 +330,7 @@ class _ShardWriter:
             num_loss_tokens=int(block.tensors["loss_mask"].sum()),
             inputs_sha256=inputs_sha,
         )
-        shards = self.manifest.shards
-        if index < len(shards):
-            shards[index] = entry
-        elif index == len(shards):
-            shards.append(entry)
-            self.manifest.complete = False  # growing: complete again only once the input is exhausted
-        else:  # never: shards are written in order
-            raise AssertionError(f"shard {index} written before shard {len(shards)}")
-        self.manifest.save(self.out_dir)
+        self.record(index, entry)
         self.written += 1
         log.debug(
             "wrote %s (%d samples, %d tokens, %d bytes)",
@@ -337,6 +339,23 @@ class _ShardWriter:
             entry.num_tokens,
             entry.bytes,
         )
+
+
+def _manifest_recorder(out_dir: Path, manifest: Manifest) -> Callable[[int, ShardEntry], None]:
+    """Record a written shard in ``manifest`` and save it (the single-process store's bookkeeping)."""
+
+    def record(index: int, entry: ShardEntry) -> None:
+        shards = manifest.shards
+        if index < len(shards):
+            shards[index] = entry
+        elif index == len(shards):
+            shards.append(entry)
+            manifest.complete = False  # growing: complete again only once the input is exhausted
+        else:  # never: shards are written in order
+            raise AssertionError(f"shard {index} written before shard {len(shards)}")
+        manifest.save(out_dir)
+
+    return record
 
 
 class _Counted:
@@ -390,7 +409,11 @@ def _open_for_writing(out_dir: Path, fresh: Manifest) -> Manifest:
                 old.run,
             )
         return old
-    stray = [p.name for p in out_dir.iterdir() if not (p.name.endswith(".tmp") or p.name == ".lock")]
+    stray = [
+        p.name
+        for p in out_dir.iterdir()
+        if not (p.name.endswith(".tmp") or p.name == ".lock" or p.name.startswith(WRITE_PROBE_PREFIX))
+    ]
     if stray:
         raise StoreConfigError(
             f"{out_dir} is not empty and holds no {MANIFEST} ({', '.join(sorted(stray)[:5])}...): refusing to "
@@ -401,10 +424,20 @@ def _open_for_writing(out_dir: Path, fresh: Manifest) -> Manifest:
 
 
 def extract(
-    samples: Iterable[Sample], target, out_dir: str | os.PathLike, cfg: ExtractConfig | None = None
+    samples: Iterable[Sample],
+    target,
+    out_dir: str | os.PathLike,
+    cfg: ExtractConfig | None = None,
+    ranks: Ranks | None = None,
 ) -> ExtractResult:
-    """Write (or resume) the feature store of ``samples`` under ``target`` at ``out_dir``; see the module doc."""
+    """Write (or resume) the feature store of ``samples`` under ``target`` at ``out_dir``; see the module doc.
+
+    ``ranks``: this process's place among data-parallel extraction processes that share ``out_dir`` (each is
+    given the same ``samples`` and extracts shards ``rank, rank + world, ...``; see
+    :mod:`eyas.data.extract_ranks`); one process when None.
+    """
     cfg = cfg or ExtractConfig()
+    ranks = ranks or Ranks()
     total = len(samples) if hasattr(samples, "__len__") else None
     it = iter(samples)
     first = next(it, None)
@@ -422,6 +455,8 @@ def extract(
         shard_size=cfg.shard_size,
         run={"max_batch_tokens": cfg.max_batch_tokens, "max_batch_rows": cfg.max_batch_rows},
     )
+    if ranks.world > 1:
+        return extract_ranks(samples, target, out_dir, cfg, codec, fresh, ranks)
     lock = FileLock(str(out_dir / ".lock"))
     try:
         lock.acquire(timeout=0)
@@ -460,7 +495,7 @@ def _extract_locked(
         disable=not cfg.progress,
         dynamic_ncols=True,
     )
-    writer = _ShardWriter(out_dir, manifest, cfg.writer_thread)
+    writer = _ShardWriter(out_dir, _manifest_recorder(out_dir, manifest), cfg.writer_thread)
     computed_tokens = 0
     num_chunks = 0
 
@@ -508,6 +543,8 @@ def _extract_locked(
     if not manifest.complete:
         manifest.complete = True
         manifest.save(out_dir)
+    for part in out_dir.glob(PART_GLOB):  # left by a killed data-parallel run that this process finished
+        part.unlink()
     d = manifest.to_dict()
     tot = d["totals"]
     result = ExtractResult(
@@ -603,8 +640,12 @@ def run(job: ExtractJob, target=None) -> ExtractResult:
             f"extract.samples={job.extract.samples}: holds no samples (the file is empty); re-run `eyas prepare` "
             "or point extract.samples at a non-empty samples.jsonl"
         )
-    target = target if target is not None else load_target(job.target)
-    return extract(chain([first], samples), target, job.extract.out_dir, job.extract.settings())
+    ranks = Ranks.from_env()
+    target_cfg = job.target
+    if ranks.world > 1 and target_cfg.device in ("auto", "cuda") and torch.cuda.is_available():
+        target_cfg = replace(target_cfg, device=f"cuda:{ranks.local_rank}")  # one GPU per process
+    target = target if target is not None else load_target(target_cfg)
+    return extract(chain([first], samples), target, job.extract.out_dir, job.extract.settings(), ranks)
 
 
 def main() -> None:
@@ -614,6 +655,8 @@ def main() -> None:
     @exit_on_config_error
     def _app(cfg) -> None:
         res = run(load_job(cfg, ExtractJob))
+        if Ranks.from_env().rank != 0:
+            return  # the same result on every rank: printed once
         print(
             json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(res).items()}, indent=1)
         )

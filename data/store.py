@@ -725,6 +725,28 @@ class FeatureStore:
         self._unchecked.discard(k)
 
 
+def check_shard_file(path: Path, k: int, entry: ShardEntry, *, full: bool) -> str | None:
+    """Why shard file ``entry`` (position ``k``) of the store at ``path`` cannot be trusted: ``"missing"``, a
+    reason naming the file, or None when it is present with the listed size and header (and ``full``: sha256)."""
+    p = path / entry.file
+    if not p.exists():
+        return "missing"
+    size = p.stat().st_size
+    if size != entry.bytes:
+        return f"{entry.file}: {size} bytes, manifest says {entry.bytes}"
+    try:
+        meta = json.loads(ShardFile(p).metadata.get("eyas", "{}"))
+    except (CorruptShardError, json.JSONDecodeError) as e:
+        return f"{entry.file}: {e}"
+    if meta.get("shard") != k:
+        return f"{entry.file}: header says shard {meta.get('shard')}, manifest position {k}"
+    if full:
+        digest = sha256_file(p)
+        if digest != entry.sha256:
+            return f"{entry.file}: sha256 {digest[:16]}… != manifest {entry.sha256[:16]}…"
+    return None
+
+
 def verify_store(
     path: str | os.PathLike, *, full: bool = True, raise_errors: bool = True, manifest: Manifest | None = None
 ) -> VerifyReport:
@@ -739,30 +761,12 @@ def verify_store(
     corrupt: list[str] = []
     reasons: list[str] = []
     for k, entry in enumerate(manifest.shards):
-        p = path / entry.file
-        if not p.exists():
+        problem = check_shard_file(path, k, entry, full=full)
+        if problem == "missing":
             missing.append(entry.file)
-            continue
-        size = p.stat().st_size
-        if size != entry.bytes:
+        elif problem is not None:
             corrupt.append(entry.file)
-            reasons.append(f"{entry.file}: {size} bytes, manifest says {entry.bytes}")
-            continue
-        try:
-            meta = json.loads(ShardFile(p).metadata.get("eyas", "{}"))
-        except (CorruptShardError, json.JSONDecodeError) as e:
-            corrupt.append(entry.file)
-            reasons.append(f"{entry.file}: {e}")
-            continue
-        if meta.get("shard") != k:
-            corrupt.append(entry.file)
-            reasons.append(f"{entry.file}: header says shard {meta.get('shard')}, manifest position {k}")
-            continue
-        if full:
-            digest = sha256_file(p)
-            if digest != entry.sha256:
-                corrupt.append(entry.file)
-                reasons.append(f"{entry.file}: sha256 {digest[:16]}… != manifest {entry.sha256[:16]}…")
+            reasons.append(problem)
     report = VerifyReport(checked=len(manifest.shards), missing=missing, corrupt=corrupt)
     if raise_errors and missing:
         raise MissingShardError(

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -303,6 +304,10 @@ class InputError(ConfigError):
     be created); the one-line message names the path, the problem and the fix."""
 
 
+WRITE_PROBE_PREFIX = ".eyas-write-test-"
+"""Name prefix of the short-lived file :func:`ensure_out_dir` writes to probe a directory."""
+
+
 def ensure_out_dir(path: str | os.PathLike, key: str, value: str | os.PathLike | None = None) -> Path:
     """The output directory ``path`` (setting ``key``, e.g. ``extract.out_dir``), created if absent; one
     :class:`InputError` naming the path and the problem where it is a file, lies under a file or cannot be
@@ -318,7 +323,7 @@ def ensure_out_dir(path: str | os.PathLike, key: str, value: str | os.PathLike |
         raise InputError(f"{key}: cannot be created, {base} is a file; point it at a directory")
     try:
         p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".eyas-write-test-{os.getpid()}"
+        probe = p / f"{WRITE_PROBE_PREFIX}{socket.gethostname()}-{os.getpid()}"  # unique across nodes
         probe.touch()
         probe.unlink()
     except OSError as e:

@@ -51,6 +51,20 @@ def embedded_target_fp32():
     return load_target(TargetConfig(dtype="float32", device="cpu"))
 
 
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A tiny llama + chat tokenizer saved as a model directory (what ``target.path`` takes in a launched job)."""
+    from eyas.serving.tiny import tiny_model
+
+    from .tokenizers import make_chat_tokenizer
+
+    d = tmp_path_factory.mktemp("tiny_target")
+    tok = make_chat_tokenizer("chatml")
+    tiny_model("llama", seed=0, vocab_size=len(tok)).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
 @pytest.fixture
 def tiny_target():
     """Factory: tiny_target(arch="llama", seed=0, **sizes) -> Target over a random-init model."""

@@ -1,8 +1,15 @@
 """Real multi-process runs through ``accelerate launch -m eyas.train``: 2-process gloo DDP, DeepSpeed ZeRO-3 (2 processes)
-and ZeRO-2 (1 process) each reach the weights of the single-process run with the same global batch."""
+and ZeRO-2 (1 process) each reach the weights of the single-process run with the same global batch; so do DDP,
+ZeRO-2 and ZeRO-3 launched as two loopback "nodes" (two ``accelerate launch --num_machines 2 --machine_rank R``
+processes of one worker each, see tests/launch.py).
+
+Tolerances (fp32 weights after 4 AdamW steps, max absolute difference): DDP 1e-6 (its all-reduce sums two
+micro-batch gradients in another order than one process's accumulation); DeepSpeed 1e-5 (its fp32 flat
+buffers and reduce-scatter change the summation order again)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -14,27 +21,16 @@ import torch
 
 from eyas.train.checkpoint import latest_checkpoint, load_weights
 
+from .launch import launch_two_nodes, needs_accelerate, needs_deepspeed
+
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, needs_accelerate]
+DDP_ATOL, DEEPSPEED_ATOL = 1e-6, 1e-5
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny llama + chat tokenizer saved as a model directory (what ``target.path`` takes)."""
-    from eyas.serving.tiny import tiny_model
-
-    from .tokenizers import make_chat_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_target")
-    tok = make_chat_tokenizer("chatml")
-    tiny_model("llama", seed=0, vocab_size=len(tok)).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
-
-
-def _overrides(tiny_dir: Path, out: Path, grad_accum: int) -> list[str]:
+def _overrides(tiny_target_dir: Path, out: Path, grad_accum: int) -> list[str]:
     return [
-        f"target.path={tiny_dir}",
+        f"target.path={tiny_target_dir}",
         "target.dtype=float32",
         "train=smoke",
         "drafter.draft_vocab_size=64",
@@ -92,7 +88,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: f
 
 
 @pytest.fixture(scope="module")
-def single(tiny_dir, tmp_path_factory):
+def single(tiny_target_dir, tmp_path_factory):
     """The reference: one process, two micro-batches per step (in this process, through the Hydra configs)."""
     from hydra import compose, initialize_config_dir
 
@@ -102,7 +98,7 @@ def single(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     n = torch.get_num_threads()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*_overrides(tiny_dir, out, 2), "train.threads=1"])
+        cfg = compose("config", overrides=[*_overrides(tiny_target_dir, out, 2), "train.threads=1"])
     try:
         res = run(train_job(cfg))
     finally:
@@ -111,19 +107,53 @@ def single(tiny_dir, tmp_path_factory):
     return _weights(out)
 
 
-def test_ddp_two_processes_equal_single_process_same_global_batch(tiny_dir, single, tmp_path):
-    _launch("cpu_ddp", 2, _overrides(tiny_dir, tmp_path, 1))
-    _assert_same(_weights(tmp_path), single, atol=1e-6)
+def test_ddp_two_processes_equal_single_process_same_global_batch(tiny_target_dir, single, tmp_path):
+    _launch("cpu_ddp", 2, _overrides(tiny_target_dir, tmp_path, 1))
+    _assert_same(_weights(tmp_path), single, atol=DDP_ATOL)
     train_lines = [x for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in x]
     assert len(train_lines) == 4 and '"tokens": 64' in train_lines[0]  # both processes' tokens counted
 
 
-def test_deepspeed_zero3_two_processes_equal_single_process(tiny_dir, single, tmp_path):
-    _launch("zero3_cpu", 2, _overrides(tiny_dir, tmp_path, 1))
+@needs_deepspeed
+def test_deepspeed_zero3_two_processes_equal_single_process(tiny_target_dir, single, tmp_path):
+    _launch("zero3_cpu", 2, _overrides(tiny_target_dir, tmp_path, 1))
     assert (latest_checkpoint(tmp_path / "checkpoints") / "ds").is_dir()
-    _assert_same(_weights(tmp_path), single, atol=1e-5)
+    _assert_same(_weights(tmp_path), single, atol=DEEPSPEED_ATOL)
 
 
-def test_deepspeed_zero2_one_process_with_accumulation_equals_single_process(tiny_dir, single, tmp_path):
-    _launch("zero2_cpu", 1, _overrides(tiny_dir, tmp_path, 2))
-    _assert_same(_weights(tmp_path), single, atol=1e-5)
+@needs_deepspeed
+def test_deepspeed_zero2_one_process_with_accumulation_equals_single_process(
+    tiny_target_dir, single, tmp_path
+):
+    _launch("zero2_cpu", 1, _overrides(tiny_target_dir, tmp_path, 2))
+    _assert_same(_weights(tmp_path), single, atol=DEEPSPEED_ATOL)
+
+
+# -- two loopback nodes: one worker per machine rank ---------------------------------------------------------------
+def _two_node_train(config: str, tiny_target_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Train on two loopback nodes (one worker each, one micro-batch per step: the single run's global batch)."""
+    launch_two_nodes(config, ["-m", "eyas.train", *_overrides(tiny_target_dir, out, 1)], out / "logs")
+    ckpt = latest_checkpoint(out / "checkpoints")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["world_size"] == 2, state
+    assert (ckpt / "ds").is_dir() == config.startswith("zero"), "DeepSpeed runs save their engine checkpoint"
+    return _weights(out)
+
+
+def test_ddp_two_nodes_equal_single_process_same_global_batch(tiny_target_dir, single, tmp_path):
+    _assert_same(_two_node_train("cpu_ddp", tiny_target_dir, tmp_path), single, atol=DDP_ATOL)
+
+
+@needs_deepspeed
+def test_deepspeed_zero2_two_nodes_equal_single_process(tiny_target_dir, single, tmp_path):
+    _assert_same(_two_node_train("zero2_cpu", tiny_target_dir, tmp_path), single, atol=DEEPSPEED_ATOL)
+
+
+@needs_deepspeed
+def test_deepspeed_zero3_two_nodes_equal_single_process(tiny_target_dir, single, tmp_path):
+    _assert_same(_two_node_train("zero3_cpu", tiny_target_dir, tmp_path), single, atol=DEEPSPEED_ATOL)
+
+
+def test_ddp_two_torchrun_nodes_equal_single_process(tiny_target_dir, single, tmp_path):
+    """The same without accelerate's launcher: ``torchrun --nnodes 2 --rdzv_endpoint ...`` (the README's command)."""
+    _assert_same(_two_node_train("torchrun", tiny_target_dir, tmp_path), single, atol=DDP_ATOL)
