@@ -12,14 +12,14 @@ import pytest
 
 from eyas.train.checkpoint import latest_checkpoint
 
-from .test_train_distributed import REPO, _free_port, _launch, _overrides, tiny_dir  # noqa: F401 - fixture
+from .test_train_distributed import REPO, _free_port, _launch, _overrides
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("damaged", ["model_states", "optim_states"])
-def test_a_truncated_deepspeed_checkpoint_file_is_named_with_the_way_out(tiny_dir, tmp_path, damaged):  # noqa: F811
-    _launch("zero2_cpu", 1, _overrides(tiny_dir, tmp_path, 1))
+def test_a_truncated_deepspeed_checkpoint_file_is_named_with_the_way_out(tiny_target_dir, tmp_path, damaged):
+    _launch("zero2_cpu", 1, _overrides(tiny_target_dir, tmp_path, 1))
     ckpt = latest_checkpoint(tmp_path / "checkpoints")
     (f,) = [p for p in (ckpt / "ds").rglob("*.pt") if damaged in p.name]
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
@@ -37,7 +37,7 @@ def test_a_truncated_deepspeed_checkpoint_file_is_named_with_the_way_out(tiny_di
         str(_free_port()),
         "-m",
         "eyas.train",
-        *_overrides(tiny_dir, tmp_path, 1),
+        *_overrides(tiny_target_dir, tmp_path, 1),
         "train.resume=auto",
     ]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
