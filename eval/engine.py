@@ -337,12 +337,19 @@ def engine_python(engine: str, cfg: EngineServerConfig) -> str:
     )
 
 
-def engine_env(engine: str, cfg: EngineServerConfig, cuda: bool) -> dict[str, str]:
-    """The server's environment: eyas's CPU defaults (where no CUDA device exists) under ``cfg.env``."""
+def engine_env(
+    engine: str, cfg: EngineServerConfig, cuda: bool, threads: int | None = None
+) -> dict[str, str]:
+    """The server's environment: eyas's CPU defaults (where no CUDA device exists) under ``cfg.env``;
+    ``threads`` (``eval.threads``) becomes the CPU build's ``OMP_NUM_THREADS``."""
     env: dict[str, str] = {}
     if engine == "vllm" and not cuda:
         # The CPU build: `all` is not a valid bind; `nobind` leaves threads to the OS (shared machines).
         env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="2")
+        if threads:
+            # On a busy machine OpenMP threads that wait for each other at every op cost far more than they
+            # bring (measured here: 2 threads 0.5 tok/s, 1 thread 15 tok/s with other jobs running).
+            env["OMP_NUM_THREADS"] = str(threads)
     for k in env:
         if k in os.environ:
             env[k] = os.environ[k]
@@ -673,6 +680,7 @@ def engine_server(
     cfg: EngineServerConfig,
     log_path: Path,
     cuda: bool = False,
+    threads: int | None = None,
 ) -> Iterator[EngineServer]:
     """Start the engine with the target and the export as its drafter, wait for it, stop it on exit."""
     python = engine_python(engine, cfg)
@@ -682,7 +690,7 @@ def engine_server(
         make(python, target_dir, export_dir, chain_length, port, cfg),
         f"http://{cfg.host}:{port}",
         log_path,
-        env=engine_env(engine, cfg, cuda),
+        env=engine_env(engine, cfg, cuda, threads),
         stop_grace_s=cfg.stop_grace_s,
     )
     with server:

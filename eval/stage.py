@@ -45,7 +45,7 @@ class EvalStageConfig:
     max_prompt_tokens: int = 1536
     """Prompts longer than this are left out."""
     threads: int | None = None
-    """torch CPU threads during evaluation (None: leave as is)."""
+    """torch CPU threads during evaluation, and the CPU engine server's OMP_NUM_THREADS (None: leave as is)."""
     checkpoint: str | None = None
     """``python -m eyas.eval``: the drafter to evaluate, normally the exported directory (SGLang/vLLM format) a user
     ships; any directory :func:`serving.drafters.load_drafter` reads. The pipeline sets its own."""
@@ -220,6 +220,7 @@ def run_engine(
         ecfg.server,
         out / "engine_server.log",
         cuda=torch.cuda.is_available(),
+        threads=ecfg.threads or job.threads,
     ) as server:
         client = EngineClient(server.url, ecfg.engine, ecfg.server.request_timeout_s)
         return measure(client, prompts, ecfg.temperature, ecfg.seed)
