@@ -206,12 +206,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception): ")
+
+
 def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` of a server log, after the first error lines of the whole log (engines log the root
+    cause in a worker long before the frontend's last words, "see root cause above")."""
     try:
-        text = Path(path).read_text(errors="replace")
+        all_lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+    tail = all_lines[-lines:]
+    errors = list(dict.fromkeys(ln for ln in all_lines[:-lines] if _ERROR_LINE.search(ln)))[:5]
+    head = ["errors earlier in the log:", *errors, "...", "last lines:"] if errors else []
+    return "\n".join(head + tail) or "(empty log)"
 
 
 class EngineServer:

@@ -169,6 +169,17 @@ def test_dead_server_error_quotes_its_log(tmp_path):
     server.stop()
 
 
+def test_log_tail_brings_the_root_cause_forward(tmp_path):
+    from eyas.eval.engine import log_tail
+
+    lines = ["loading"] * 10 + ["(Worker) ValueError: no parameter named 'd2t'"] + ["shutting down"] * 50
+    lines.append("RuntimeError: Engine core initialization failed. See root cause above.")
+    (tmp_path / "log").write_text("\n".join(lines))
+    tail = log_tail(tmp_path / "log", lines=5)
+    assert "ValueError: no parameter named 'd2t'" in tail
+    assert tail.endswith("See root cause above.") and tail.count("shutting down") == 4
+
+
 def test_readiness_timeout_stops_the_server(tmp_path):
     server = stub_server(tmp_path, "--never-ready").start()
     pid = server.proc.pid
@@ -311,14 +322,13 @@ def test_vllm_serves_an_eyas_export_start_prompts_counters_shutdown(tmp_path):
     tcfg = AutoConfig.from_pretrained(target_dir)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(
-        DrafterConfig.from_target(tcfg, default_aux_layers(tcfg.num_hidden_layers), tcfg.vocab_size)
-    )
+        DrafterConfig.from_target(tcfg, default_aux_layers(tcfg.num_hidden_layers), 4096)
+    )  # a draft vocabulary smaller than the target's: vLLM refuses d2t when the two are equal
     export(drafter, tcfg, tmp_path / "export")
     k = 3
     cfg = EngineServerConfig(python=_vllm_python(), max_model_len=512, startup_timeout_s=900)
-    with engine_server(
-        "vllm", str(target_dir), str(tmp_path / "export"), k, cfg, tmp_path / "vllm.log"
-    ) as srv:
+    log = tmp_path / "vllm.log"
+    with engine_server("vllm", str(target_dir), str(tmp_path / "export"), k, cfg, log, threads=1) as srv:
         client = EngineClient(srv.url, "vllm", timeout_s=300)
         assert client.model == "eyas-target"
         res = measure(client, {"s": (_Spec(24), [[1, 9690, 2, 13], [1, 4093, 314, 253, 1]])})
