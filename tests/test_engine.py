@@ -338,3 +338,72 @@ def test_vllm_serves_an_eyas_export_start_prompts_counters_shutdown(tmp_path):
     assert r.tau == pytest.approx(1 + r.accepted / r.drafts) and 1.0 <= r.tau <= k + 1
     assert len(r.acceptance_by_position) == k
     assert not pid_alive(pid) and not health_ok(srv.url, timeout_s=1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_vllm_python() is None, reason="no .venv-vllm: run `make vllm` to test against real vLLM")
+def test_vllm_extract_hidden_states_match_the_transformers_aux_states(tmp_path):
+    """vLLM's extract_hidden_states method with eyas's CPU connector (serving/vllm_plugins) writes the target's aux
+    hidden states of a prompt; they equal the transformers target runner's within bf16 rounding. vLLM numbers
+    aux layers one higher than eyas (SGLang's convention): vLLM id i is eyas id i - 1."""
+    import json
+    import urllib.request
+
+    import torch
+    from safetensors.torch import load_file
+
+    from eyas.serving.embedded import ensure_embedded
+    from eyas.serving.target import TargetConfig, load_target
+
+    eyas_ids = [1, 14, 26]
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in eyas_ids]}},
+    }
+    kv = {
+        "kv_connector": "CPUHiddenStatesConnector",
+        "kv_connector_module_path": "vllm_cpu_hidden_states",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "hs")},
+    }
+    port = free_port()
+    cmd = [_vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(ensure_embedded())]
+    cmd += ["--served-model-name", "t", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "512"]
+    cmd += [
+        "--max-num-seqs",
+        "1",
+        "--speculative-config",
+        json.dumps(spec),
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
+    env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(HERE.parent / "serving" / "vllm_plugins"),
+    }
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 41, 3434, 13, 2, 198, 1, 4093, 198]
+    server = EngineServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "vllm.log", env=env)
+    with server:
+        server.wait_ready(900)
+        body = json.dumps({"model": "t", "prompt": ids, "max_tokens": 1, "temperature": 0}).encode()
+        req = urllib.request.Request(
+            server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        path = json.loads(urllib.request.urlopen(req, timeout=300).read())["kv_transfer_params"][
+            "hidden_states_path"
+        ]
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        got = load_file(path)
+    assert got["token_ids"][: len(ids)].tolist() == ids
+    hs = got["hidden_states"][: len(ids)].float()  # [T, 3, H]
+    target = load_target(TargetConfig(dtype="bfloat16", device="cpu", aux_layers=eyas_ids))
+    ref = target.forward(torch.tensor([ids]), logits="none").aux[0].float().view(len(ids), 3, -1)
+    for i in range(3):
+        rel = ((hs[:, i] - ref[:, i]).norm() / ref[:, i].norm()).item()
+        assert rel < 0.02, f"aux layer {eyas_ids[i]}: relative L2 difference {rel:.4f}"
