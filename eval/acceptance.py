@@ -128,6 +128,8 @@ class SetMethodResult:
     mean_draft_ms: float
     mean_verify_ms: float
     mean_context: float
+    mean_ttft_ms: float = float("nan")
+    """Time to first token: prefill (target and the drafter's prompt rows) and the first token's choice."""
     speedup: float = float("nan")
     """End-to-end tokens/s over ``none`` on the same prompts."""
     match_rate: float = float("nan")
@@ -179,6 +181,7 @@ def aggregate(prompt_set: str, method: str, label: str, runs: list[GenerationRes
         mean_draft_ms=1e3 * sum(s.draft_s for s in steps) / n,
         mean_verify_ms=1e3 * sum(s.verify_s for s in steps) / n,
         mean_context=sum(s.context_len for s in steps) / n,
+        mean_ttft_ms=1e3 * sum(r.prefill_s for r in runs) / max(len(runs), 1),
         step_records=[(s.context_len, s.draft_s, s.verify_s, s.num_accepted, s.num_drafted) for s in steps],
     )
 

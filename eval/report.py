@@ -21,6 +21,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from eyas.eval.acceptance import AcceptanceResult  # noqa: E402
+from eyas.eval.engine import EngineSetResult  # noqa: E402
 from eyas.eval.profile import StepProfile  # noqa: E402
 
 
@@ -112,6 +113,69 @@ def results_table(acc: AcceptanceResult, title: str = "eyas: acceptance and thro
     return t
 
 
+ENGINE_COLUMNS = (
+    "set",
+    "engine",
+    "τ engine",
+    "τ bundled",
+    "Δτ",
+    "accept@1.. engine",
+    "tok/s engine",
+    "tok/s bundled",
+    "TTFT ms engine",
+    "TTFT ms bundled",
+)
+
+
+def engine_rows(engine: list[EngineSetResult], acc: AcceptanceResult, method: str = "eagle3-chain") -> list:
+    """One row per prompt set: the engine's numbers beside the bundled loop's ``method`` on the same prompts."""
+
+    def f(x: float, fmt: str) -> str:
+        return "" if x != x else format(x, fmt)
+
+    rows = []
+    for e in engine:
+        b = acc.get(e.prompt_set, method)
+        nan = float("nan")
+        rows.append(
+            [
+                e.prompt_set,
+                e.engine,
+                f(e.tau, ".2f"),
+                f(b.tau if b else nan, ".2f"),
+                f(e.tau - b.tau if b else nan, "+.2f"),
+                " ".join(f"{a:.2f}" for a in e.acceptance_by_position[:8]),
+                f(e.tokens_per_s, ".1f"),
+                f(b.tokens_per_s if b else nan, ".1f"),
+                f(e.mean_ttft_ms, ".0f"),
+                f(b.mean_ttft_ms if b else nan, ".0f"),
+            ]
+        )
+    return rows
+
+
+def print_engine_table(engine: list[EngineSetResult], acc: AcceptanceResult) -> None:
+    t = Table(title="serving engine against the bundled loop (eagle3-chain), same prompts")
+    for col in ENGINE_COLUMNS:
+        t.add_column(col, justify="left" if col in ("set", "engine", "accept@1.. engine") else "right")
+    for row in engine_rows(engine, acc):
+        t.add_row(*row)
+    Console(width=max(140, Console().width)).print(t)
+
+
+def engine_markdown_table(engine: list[EngineSetResult], acc: AcceptanceResult) -> str:
+    lines = ["| " + " | ".join(ENGINE_COLUMNS) + " |", "|" + "---|" * len(ENGINE_COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in engine_rows(engine, acc)]
+    return "\n".join(lines)
+
+
+ENGINE_NOTE = (
+    "τ engine: tokens per verify step inside the engine (vLLM: 1 + Δaccepted / Δdrafts of its /metrics counters "
+    "over the set; SGLang: completion tokens / spec_verify_ct). accept@i: share of drafts whose first i tokens "
+    "were accepted. tok/s: completion tokens over request wall time, one request at a time, prefill included; "
+    "TTFT: first streamed token (bundled: prefill and the first token's choice)."
+)
+
 GREEDY_MATCH_NOTE = (
     "greedy match = share of prompts whose output is token for token the plain-decoding (`none`) output. In fp32 "
     "it is always 100% (the loop is lossless: tests/test_loop.py); in bf16 a verify forward over several tokens "
@@ -148,30 +212,41 @@ def write_report(
     chain_length: int | None = None,
     command: str | None = None,
     sections: dict[str, str] | None = None,
+    engine: list[EngineSetResult] | None = None,
 ) -> Path:
     """Write ``report.md``, the plots and ``results.json`` into ``out_dir``; returns the report path.
-    ``sections``: further titled markdown sections, written after the result table."""
+    ``sections``: further titled markdown sections, written after the result table. ``engine``: the same prompt
+    sets measured inside a serving engine (:mod:`eval.engine`), shown beside the bundled loop."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = {
-        "τ per set": plot_tau(acc, out_dir / "tau.png"),
-        "acceptance per position": plot_acceptance_by_position(acc, out_dir / "acceptance_by_position.png"),
-        "tokens/s": plot_throughput(acc, out_dir / "throughput.png"),
-    }
+    plots = {}
+    if acc.results:
+        plots = {
+            "τ per set": plot_tau(acc, out_dir / "tau.png"),
+            "acceptance per position": plot_acceptance_by_position(
+                acc, out_dir / "acceptance_by_position.png"
+            ),
+            "tokens/s": plot_throughput(acc, out_dir / "throughput.png"),
+        }
     if prof is not None:
         plots["step time vs context"] = plot_step_time(prof, out_dir / "step_time.png", chain_length)
     data: dict[str, Any] = {"acceptance": acc.to_dict()}
     if prof is not None:
         data["profile"] = prof.to_dict()
+    if engine is not None:
+        data["engine"] = [e.to_dict() for e in engine]
     if extra:
         data.update(extra)
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=float))
     md = [f"# {title}", ""]
     if command:
         md += ["Reproduce with:", "", f"    {command}", ""]
-    md += [markdown_table(acc), "", GREEDY_MATCH_NOTE, ""]
+    if acc.results:
+        md += [markdown_table(acc), "", GREEDY_MATCH_NOTE, ""]
     for name, text in (sections or {}).items():
         md += [f"## {name}", "", text, ""]
+    if engine is not None:
+        md += ["## Serving engine", "", engine_markdown_table(engine, acc), "", ENGINE_NOTE, ""]
     if extra:
         md += ["## Run facts", ""]
         md += [f"- **{k}**: {v}" for k, v in extra.items() if not isinstance(v, (dict, list))]

@@ -16,6 +16,7 @@ import torch
 
 from eyas.common import ConfigError, build_config, json_hash
 from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
+from eyas.eval.engine import ENGINES, EngineName, EngineServerConfig, EngineSetResult
 from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
 from eyas.eval.recommend import ChainLengthRecommendation, recommend_chain_length
 from eyas.serving.target import Target, TargetConfig
@@ -45,10 +46,21 @@ class EvalStageConfig:
     max_prompt_tokens: int = 1536
     """Prompts longer than this are left out."""
     threads: int | None = None
-    """torch CPU threads during evaluation (None: leave as is)."""
+    """torch CPU threads during evaluation, and the CPU engine server's OMP_NUM_THREADS (None: leave as is)."""
     checkpoint: str | None = None
     """``python -m eyas.eval``: the drafter to evaluate, normally the exported directory (SGLang/vLLM format) a user
     ships; any directory :func:`serving.drafters.load_drafter` reads. The pipeline sets its own."""
+    engine: EngineName = "bundled"
+    """``bundled``: eyas's own serving loop only. ``vllm`` / ``sglang``: also measure the same prompts inside that
+    engine (:mod:`eval.engine`; started from ``make vllm``'s venv unless ``server_url`` is given)."""
+    server_url: str | None = None
+    """A running engine server (``http://host:port``) to measure instead of starting one; read-only: eyas only
+    sends prompts and reads its counters. Needs ``engine`` to say which engine it is."""
+    server: EngineServerConfig = field(default_factory=EngineServerConfig)
+    """How eyas starts the engine server (interpreter, timeouts, dtype, extra arguments)."""
+    bundled: bool = True
+    """With an engine: also run the bundled loop on the same prompts, for the comparison (false for a target
+    transformers cannot hold; then only its tokenizer is loaded)."""
 
     def __post_init__(self) -> None:
         self.prompt_sets = [
@@ -58,6 +70,16 @@ class EvalStageConfig:
             self.tree = build_config(TreeConfig, self.tree, "eval.tree")
         if isinstance(self.profile, dict):
             self.profile = build_config(ProfileConfig, self.profile, "eval.profile")
+        if isinstance(self.server, dict):
+            self.server = build_config(EngineServerConfig, self.server, "eval.server")
+        if self.engine not in ENGINES:
+            raise ValueError(f"eval.engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.server_url and self.engine == "bundled":
+            raise ValueError(
+                "eval.server_url needs eval.engine=vllm or eval.engine=sglang (which server it is)"
+            )
+        if self.engine == "bundled" and not self.bundled:
+            raise ValueError("eval.bundled=false needs an engine (eval.engine=vllm|sglang): nothing to run")
         if not self.prompt_sets:
             raise ValueError("eval.prompt_sets is empty: give at least one prompt set")
         if self.chain_length < 1:
@@ -87,6 +109,8 @@ class EvalResult:
     profile: StepProfile | None
     report: Path
     seconds: float
+    engine: list[EngineSetResult] | None = None
+    """Per prompt set inside the serving engine (``eval.engine`` other than ``bundled``)."""
     chain_length: ChainLengthRecommendation | None = None
     """The K to serve the EAGLE-3 chain with (needs ``profile``; see ``eval.recommend``)."""
 
@@ -98,61 +122,70 @@ def run(
     command: str = "",
     title: str = "eyas: acceptance of an exported drafter",
 ) -> EvalResult:
-    """Evaluate the export ``job.eval.checkpoint`` on the target (loaded unless given); ``extra``: facts of
-    earlier stages for the report."""
+    """Evaluate the export ``job.eval.checkpoint`` on the target (loaded unless given) with the bundled loop and,
+    if ``eval.engine`` names one, inside that serving engine on the same prompts; ``extra``: facts of earlier
+    stages for the report."""
     from eyas.eval.prompts import load_prompt_ids
-    from eyas.eval.report import print_table, write_report
+    from eyas.eval.report import print_engine_table, print_table, write_report
     from eyas.serving.drafters import load_drafter
     from eyas.serving.target import load_target
 
     ecfg = job.eval
-    if not ecfg.checkpoint:
+    engine_only = ecfg.engine != "bundled" and not ecfg.bundled
+    if not ecfg.checkpoint and not (engine_only and ecfg.server_url):
         raise ConfigError(
             "eval.checkpoint is not set: give the exported drafter directory, eval.checkpoint=<dir>"
         )
     if job.threads:
         torch.set_num_threads(job.threads)
-    target = target if target is not None else load_target(job.target)
-    export_dir = Path(ecfg.checkpoint)
+    if target is None and not engine_only:
+        target = load_target(job.target)
+    export_dir = Path(ecfg.checkpoint) if ecfg.checkpoint else None
     t0 = time.perf_counter()
     out = (
         Path(job.work_dir)
         / "eval"
         / json_hash(
             {
-                "export": str(export_dir.resolve()),
+                "export": str(export_dir.resolve()) if export_dir else None,
                 "eval": {**asdict(ecfg), "checkpoint": None},
-                "target": target.info.to_dict(),
-                "dtype": str(target.dtype),
+                "target": target.info.to_dict() if target is not None else asdict(job.target),
+                "dtype": str(target.dtype) if target is not None else None,
             }
         )
     )
     if ecfg.threads:
         torch.set_num_threads(ecfg.threads)
-    drafter = load_drafter(
-        str(export_dir), target
-    ).drafter  # an export (what users ship) or a trainer checkpoint
+    tokenizer = target.tokenizer if target is not None else _load_tokenizer(job.target)
     prompts = {
-        s.name: (s, load_prompt_ids(s, target.tokenizer, ecfg.seed, ecfg.max_prompt_tokens))
+        s.name: (s, load_prompt_ids(s, tokenizer, ecfg.seed, ecfg.max_prompt_tokens))
         for s in ecfg.prompt_sets
     }
-    acc = run_acceptance(
-        target,
-        drafter,
-        prompts,
-        ecfg.method_specs(),
-        SamplingConfig(temperature=ecfg.temperature, seed=ecfg.seed),
-    )
+    acc = AcceptanceResult(results=[], sampling=asdict(SamplingConfig(ecfg.temperature, seed=ecfg.seed)))
     prof = None
-    if ecfg.profile is not None:
-        pcfg = ecfg.profile
-        sizes = sorted({1, ecfg.chain_length + 1, ecfg.tree.total_tokens + 1, *pcfg.verify_tokens})
-        # drafter forwards over 1..K+1 rows price every shorter chain (the recommended K below)
-        rows = sorted({*pcfg.draft_rows, 1, ecfg.chain_length + 1})
-        prof = profile_steps(
-            target, drafter, ProfileConfig(**{**asdict(pcfg), "verify_tokens": sizes, "draft_rows": rows})
+    if target is not None:
+        drafter = load_drafter(
+            str(export_dir), target
+        ).drafter  # an export (what users ship) or a trainer checkpoint
+        acc = run_acceptance(
+            target,
+            drafter,
+            prompts,
+            ecfg.method_specs(),
+            SamplingConfig(temperature=ecfg.temperature, seed=ecfg.seed),
         )
+        if ecfg.profile is not None:
+            pcfg = ecfg.profile
+            sizes = sorted({1, ecfg.chain_length + 1, ecfg.tree.total_tokens + 1, *pcfg.verify_tokens})
+            # drafter forwards over 1..K+1 rows price every shorter chain (the recommended K below)
+            rows = sorted({*pcfg.draft_rows, 1, ecfg.chain_length + 1})
+            prof = profile_steps(
+                target, drafter, ProfileConfig(**{**asdict(pcfg), "verify_tokens": sizes, "draft_rows": rows})
+            )
     chain_k = recommend_chain_length(acc, prof)
+    engine = None
+    if ecfg.engine != "bundled":
+        engine = run_engine(job, export_dir, prompts, out)
     report = write_report(
         out,
         acc,
@@ -162,8 +195,52 @@ def run(
         title=title,
         chain_length=ecfg.chain_length,
         command=command,
+        engine=engine,
     )
-    print_table(acc)
+    if acc.results:
+        print_table(acc)
     if chain_k:
         print(f"recommended chain length: K={chain_k.best_k} (see {report})")
-    return EvalResult(acc, prof, Path(report), time.perf_counter() - t0, chain_k)
+    if engine is not None:
+        print_engine_table(engine, acc)
+    return EvalResult(acc, prof, Path(report), time.perf_counter() - t0, engine, chain_k)
+
+
+def run_engine(
+    job: EvalJob,
+    export_dir: Path | None,
+    prompts: dict[str, tuple[PromptSetSpec, list[list[int]]]],
+    out: Path,
+) -> list[EngineSetResult]:
+    """The prompt sets inside ``eval.engine``: at ``eval.server_url``, else a server eyas starts with the target
+    and ``export_dir`` as its drafter (log: ``<out>/engine_server.log``) and stops on every exit path."""
+    from eyas.eval.engine import EngineClient, engine_server, measure
+    from eyas.serving.target import model_source
+
+    ecfg = job.eval
+    if ecfg.server_url:
+        client = EngineClient(ecfg.server_url, ecfg.engine, ecfg.server.request_timeout_s)
+        return measure(client, prompts, ecfg.temperature, ecfg.seed)
+    assert export_dir is not None
+    target_dir, _ = model_source(job.target)
+    with engine_server(
+        ecfg.engine,
+        target_dir,
+        str(export_dir.resolve()),
+        ecfg.chain_length,
+        ecfg.server,
+        out / "engine_server.log",
+        cuda=torch.cuda.is_available(),
+        threads=ecfg.threads or job.threads,
+    ) as server:
+        client = EngineClient(server.url, ecfg.engine, ecfg.server.request_timeout_s)
+        return measure(client, prompts, ecfg.temperature, ecfg.seed)
+
+
+def _load_tokenizer(tcfg: TargetConfig):
+    from transformers import AutoTokenizer
+
+    from eyas.serving.target import model_source
+
+    path, _ = model_source(tcfg)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=tcfg.trust_remote_code)

@@ -383,14 +383,10 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
     cfg = cfg or TargetConfig()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    path, gguf_file, name = _resolve_source(cfg)
+    path, name = model_source(cfg)
     kwargs: dict[str, Any] = dict(trust_remote_code=cfg.trust_remote_code)
     if cfg.revision and not Path(path).exists():
         kwargs["revision"] = cfg.revision
-    if gguf_file is not None:
-        from eyas.serving.embedded import convert_gguf
-
-        path = str(convert_gguf(Path(path), gguf_file))
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(
@@ -404,6 +400,17 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
     model.to(device)
     log.info("target %s loaded: %s on %s in %s", name, type(model).__name__, device, dtype)
     return Target(model, tokenizer, name=name, revision=cfg.revision, aux_layers=cfg.aux_layers)
+
+
+def model_source(cfg: TargetConfig) -> tuple[str, str]:
+    """(what ``from_pretrained`` and the serving engines load: a directory or a hub id, display name); a GGUF is
+    converted to a plain transformers directory first (cached)."""
+    path, gguf_file, name = _resolve_source(cfg)
+    if gguf_file is not None:
+        from eyas.serving.embedded import convert_gguf
+
+        path = str(convert_gguf(Path(path), gguf_file))
+    return path, name
 
 
 def _resolve_source(cfg: TargetConfig) -> tuple[str, str | None, str]:

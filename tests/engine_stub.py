@@ -1,0 +1,151 @@
+"""A stand-in for a vLLM / SGLang server, for tests of eval/engine.py without either engine installed.
+
+``python engine_stub.py --port P [--accept A] [--k K] [--ready-after S] [--die] [--never-ready]``
+
+Every request generates ``max_tokens`` tokens in verify steps that each accept ``A`` of ``K`` drafts (the last
+step accepts what is left), and publishes vLLM's spec-decode counters for them on ``/metrics`` a little after the
+response (as vLLM's asynchronous stat loggers do). ``/generate`` answers as SGLang's native API, with
+``spec_verify_ct`` in ``meta_info``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class State:
+    def __init__(self, k: int, accept: int):
+        self.k, self.accept = k, accept
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.per_pos = [0] * k
+        self.lock = threading.Lock()
+
+    def steps(self, n: int) -> list[int]:
+        """Accepted drafts of each verify step generating ``n`` tokens."""
+        out = []
+        while n > 0:
+            a = min(self.accept, n - 1)
+            out.append(a)
+            n -= a + 1
+        return out
+
+    def publish(self, steps: list[int]) -> None:
+        time.sleep(0.3)
+        with self.lock:
+            for a in steps:
+                self.drafts += 1
+                self.draft_tokens += self.k
+                self.accepted += a
+                for i in range(a):
+                    self.per_pos[i] += 1
+
+    def metrics(self) -> str:
+        with self.lock:
+            lines = [
+                "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+                "# TYPE vllm:spec_decode_num_drafts_total counter",
+                f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="stub"}} {float(self.drafts)}',
+                f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="stub"}} {float(self.draft_tokens)}',
+                f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="stub"}} {float(self.accepted)}',
+            ]
+            lines += [
+                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="stub",position="{i}"}} '
+                f"{float(v)}"
+                for i, v in enumerate(self.per_pos)
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def make_handler(state: State, ready_at: float, never_ready: bool):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:
+            pass
+
+        def _send(self, code: int, body: str, ctype: str = "application/json") -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                ok = not never_ready and time.monotonic() >= ready_at
+                self._send(200 if ok else 503, "")
+            elif self.path == "/metrics":
+                self._send(200, state.metrics(), "text/plain; version=0.0.4")
+            elif self.path == "/v1/models":
+                self._send(200, json.dumps({"data": [{"id": "stub-model"}]}))
+            else:
+                self._send(404, "")
+
+        def _stream(self, events: list[dict]) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for ev in events:
+                self.wfile.write(f"data: {json.dumps(ev)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/v1/completions":
+                if body.get("model") != "stub-model" or not all(isinstance(t, int) for t in body["prompt"]):
+                    self._send(400, json.dumps({"error": "bad request"}))
+                    return
+                n = int(body["max_tokens"])
+                steps = state.steps(n)
+                events = [
+                    {"choices": [{"index": 0, "text": "t" * (a + 1), "finish_reason": None}]} for a in steps
+                ]
+                events[-1]["choices"][0]["finish_reason"] = "length"
+                events.append(
+                    {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+                )
+                self._stream(events)
+                threading.Thread(target=state.publish, args=(steps,)).start()
+            elif self.path == "/generate":
+                n = int(body["sampling_params"]["max_new_tokens"])
+                steps = state.steps(n)
+                meta = {
+                    "completion_tokens": n,
+                    "spec_verify_ct": len(steps),
+                    "finish_reason": {"type": "length"},
+                }
+                self._stream([{"text": "t" * n, "meta_info": meta}])
+            else:
+                self._send(404, "")
+
+    return Handler
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--accept", type=int, default=2)
+    p.add_argument("--ready-after", type=float, default=0.0)
+    p.add_argument("--die", action="store_true")
+    p.add_argument("--never-ready", action="store_true")
+    a = p.parse_args()
+    print("stub engine: loading model weights", flush=True)
+    if a.die:
+        print("RuntimeError: stub engine failed to allocate the KV cache", flush=True)
+        sys.exit(3)
+    server = ThreadingHTTPServer(
+        ("127.0.0.1", a.port),
+        make_handler(State(a.k, a.accept), time.monotonic() + a.ready_after, a.never_ready),
+    )
+    print(f"stub engine: serving on {a.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
