@@ -60,6 +60,8 @@ class RecipeConfig:
     chain_length: int = 6
     only: list[str] | None = None
     """Run only these variants (by name); None runs all."""
+    eval_dtype: str = "target"
+    """``eval.dtype`` of the held-out evaluation (``target``: the loaded target's, bf16 on this CPU)."""
 
     def __post_init__(self) -> None:
         self.variants = [
@@ -156,6 +158,7 @@ def run_recipe(cfg) -> list[VariantResult]:
             "profile": None,
             "seed": job.eval.seed,
             "max_prompt_tokens": job.eval.max_prompt_tokens,
+            "dtype": rc.eval_dtype,
         },
         "recipe.eval",
     )
