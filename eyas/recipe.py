@@ -60,6 +60,9 @@ class RecipeConfig:
     chain_length: int = 6
     only: list[str] | None = None
     """Run only these variants (by name); None runs all."""
+    store_dir: str | None = None
+    """Train every variant on this existing feature store (skips prepare and extract); None: the pipeline's
+    store for the composed ``prepare``/``extract`` settings (made or reused)."""
     eval_dtype: str = "target"
     """``eval.dtype`` of the held-out evaluation (``target``: the loaded target's, bf16 on this CPU)."""
 
@@ -147,8 +150,11 @@ def run_recipe(cfg) -> list[VariantResult]:
         torch.set_num_threads(job.threads)
     command = "python -m eyas.recipe " + " ".join(sys.argv[1:])
     target = load_target(job.target)
-    prep, _ = stage_prepare(job.prepare, target, job.target)
-    store_dir, _ = stage_extract(prep, job.extract.settings(), target, work_dir)
+    if rc.store_dir:
+        store_dir = Path(rc.store_dir)
+    else:
+        prep, _ = stage_prepare(job.prepare, target, job.target)
+        store_dir, _ = stage_extract(prep, job.extract.settings(), target, work_dir)
     ecfg = build_config(
         EvalStageConfig,
         {
