@@ -47,6 +47,11 @@ class EvalStageConfig:
     """Prompts longer than this are left out."""
     threads: int | None = None
     """torch CPU threads during evaluation, and the CPU engine server's OMP_NUM_THREADS (None: leave as is)."""
+    dtype: str = "auto"
+    """Target dtype of the evaluation: ``auto`` is float32 on CPU (decode is memory-bound there, so it costs
+    little, and greedy speculative output is then token-for-token plain decoding's: a mismatch is a bug) and the
+    loaded target's dtype elsewhere (bf16 on GPU, where near-tie divergence is expected); or ``bfloat16``,
+    ``float16``, ``float32``, ``target`` (the loaded target's, whatever it is)."""
     checkpoint: str | None = None
     """``python -m eyas.eval``: the drafter to evaluate, normally the exported directory (SGLang/vLLM format) a user
     ships; any directory :func:`serving.drafters.load_drafter` reads. The pipeline sets its own."""
@@ -84,10 +89,20 @@ class EvalStageConfig:
             raise ValueError("eval.prompt_sets is empty: give at least one prompt set")
         if self.chain_length < 1:
             raise ValueError(f"eval.chain_length (K) must be >= 1, got {self.chain_length}")
+        if self.dtype not in ("auto", "target", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"eval.dtype must be auto, target, bfloat16, float16 or float32, not {self.dtype!r}"
+            )
         known = {m.name for m in default_methods(self.chain_length, self.tree)}
         bad = [m for m in self.methods if m not in known]
         if bad:
             raise ValueError(f"unknown eval methods {bad}; known: {sorted(known)}")
+
+    def resolve_dtype(self, target: Target) -> torch.dtype:
+        """The dtype to evaluate ``target`` in (see ``dtype``)."""
+        if self.dtype == "target" or (self.dtype == "auto" and target.device.type != "cpu"):
+            return target.dtype
+        return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
 
     def method_specs(self) -> list[MethodSpec]:
         return [m for m in default_methods(self.chain_length, self.tree) if m.name in self.methods]
@@ -140,6 +155,8 @@ def run(
         torch.set_num_threads(job.threads)
     if target is None and not engine_only:
         target = load_target(job.target)
+    if target is not None:
+        target = target.with_dtype(ecfg.resolve_dtype(target))
     export_dir = Path(ecfg.checkpoint) if ecfg.checkpoint else None
     t0 = time.perf_counter()
     out = (

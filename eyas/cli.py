@@ -14,6 +14,10 @@ import sys
 COMMANDS = {
     "demo": ("eyas.pipeline", "the whole pipeline on the embedded default target; prints the result table"),
     "bench": ("eyas.bench", "the benchmark: larger data budget, BENCH.md with the headline numbers"),
+    "recipe": (
+        "eyas.recipe",
+        "the drafter recipe study: several recipes on one store, held-out tau per recipe",
+    ),
     "prepare": (
         "eyas.data.prepare",
         "corpus mixture -> (regeneration) -> chat-formatted samples with loss masks",

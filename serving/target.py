@@ -289,6 +289,24 @@ class Target:
     def vocab_size(self) -> int:
         return self.info.vocab_size
 
+    def with_dtype(self, dtype: torch.dtype) -> Target:
+        """This target in ``dtype`` (itself when it already is): a copy of the model, so the original stays as
+        it was for the stages that share it."""
+        if dtype == self.dtype:
+            return self
+        import copy
+
+        model = copy.deepcopy(self.model)
+        for layer in decoder_layers(model):  # the copied hooks would capture into this target
+            layer._forward_hooks.clear()
+        return Target(
+            model.to(dtype),
+            self.tokenizer,
+            name=self.info.name,
+            revision=self.info.revision,
+            aux_layers=list(self.aux_layers),
+        )
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's input embeddings (with any model-specific scaling, e.g. Gemma's sqrt(H))."""
         return self.model.get_input_embeddings()(input_ids)

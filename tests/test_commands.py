@@ -83,10 +83,13 @@ def _jobs():
         "eval": ("config", lambda c: load_job(c, EvalJob)),
         "pipeline": ("demo", pipeline_job),
         "bench": ("bench", pipeline_job),
+        "recipe": ("recipe", pipeline_job),
     }
 
 
-@pytest.mark.parametrize("command", ["prepare", "extract", "train", "export", "eval", "pipeline", "bench"])
+@pytest.mark.parametrize(
+    "command", ["prepare", "extract", "train", "export", "eval", "pipeline", "bench", "recipe"]
+)
 def test_every_command_builds_its_config_and_names_a_bad_override(command):
     config_name, build = _jobs()[command]
     job = build(_compose(config_name, []))
@@ -97,7 +100,7 @@ def test_every_command_builds_its_config_and_names_a_bad_override(command):
         "export": ("export", "overwrite", "maybe", "bool"),
         "eval": ("eval", "chain_length", "six", "int"),
     }.get(command, ("train", "max_steps", "abc", "int"))
-    if command in ("prepare", "extract", "export", "eval", "pipeline", "bench"):
+    if command in ("prepare", "extract", "export", "eval", "pipeline", "bench", "recipe"):
         with pytest.raises(ConfigError, match=r"^target.dtype: expected str, got \[1\]$"):
             build(_compose(config_name, ["target.dtype=[1]"]))
     with pytest.raises(ConfigError) as e:
@@ -108,7 +111,8 @@ def test_every_command_builds_its_config_and_names_a_bad_override(command):
 
 
 @pytest.mark.parametrize(
-    "command", ["prepare", "extract", "train", "export", "eval", "diagnose", "plan", "demo", "bench"]
+    "command",
+    ["prepare", "extract", "train", "export", "eval", "diagnose", "plan", "demo", "bench", "recipe"],
 )
 def test_every_command_has_help(command, capsys, monkeypatch, tmp_path):
     from eyas.cli import COMMANDS, main
@@ -181,3 +185,32 @@ def test_a_command_names_the_setting_it_still_needs(module, message, capsys, mon
     assert run_app(importlib.import_module(module).main, [], monkeypatch, tmp_path) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}: ") and err.count("\n") == 1
+
+
+def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
+    from eyas.pipeline import pipeline_job
+    from eyas.recipe import RecipeConfig, variant_configs
+
+    cfg = _compose("recipe", [])
+    job = pipeline_job(cfg)
+    rc = build_config(RecipeConfig, cfg.recipe, "recipe")
+    v = next(v for v in rc.variants if v.name == "target-init-lr1e-3")
+    d, t = variant_configs(v, job.drafter, job.train, seed=3)
+    assert d.init == "target" and t.lr == 1e-3 and t.seed == 3
+    assert t.max_steps == job.train.max_steps and t.data == job.train.data  # the same budget and data
+    bad = {"name": "x", "drafter": {"init": "warm"}}
+    with pytest.raises(ValueError, match="drafter.init must be"):
+        variant_configs(
+            build_config(RecipeConfig, {"variants": [bad]}).variants[0], job.drafter, job.train, 0
+        )
+    with pytest.raises(ConfigError, match="recipe.x.train.no_such_key: unknown key"):
+        variant_configs(
+            build_config(RecipeConfig, {"variants": [{"name": "x", "train": {"no_such_key": 1}}]}).variants[
+                0
+            ],
+            job.drafter,
+            job.train,
+            0,
+        )
+    with pytest.raises(ValueError, match="unknown variants"):
+        build_config(RecipeConfig, {"variants": [{"name": "a"}], "only": ["b"]})

@@ -160,3 +160,26 @@ def tiny_model_with_backend(name: str):
     model = tiny_model("llama")
     model.config._attn_implementation = name  # noqa: SLF001  (what from_pretrained(attn_implementation=) sets)
     return model
+
+
+def test_a_target_in_another_dtype_is_a_copy_with_its_own_aux_capture(tiny_target):
+    bf16 = tiny_target("llama").with_dtype(torch.bfloat16)
+    fp32 = bf16.with_dtype(torch.float32)
+    assert bf16.with_dtype(torch.bfloat16) is bf16
+    assert bf16.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    ids = torch.randint(3, bf16.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    a, b = bf16.forward(ids), fp32.forward(ids)
+    assert a.aux.dtype == torch.bfloat16 and b.aux.dtype == torch.float32
+    assert torch.allclose(a.aux.float(), b.aux, atol=0.1)
+    assert not bf16._captured and not fp32._captured
+
+
+def test_eval_runs_in_fp32_on_cpu_unless_told_otherwise(tiny_target):
+    from eyas.eval.stage import EvalStageConfig
+
+    t = tiny_target("llama").with_dtype(torch.bfloat16)
+    sets = [{"name": "p", "source": "builtin:predictable", "n": 1}]
+    assert EvalStageConfig(prompt_sets=sets).resolve_dtype(t) == torch.float32
+    assert EvalStageConfig(prompt_sets=sets, dtype="target").resolve_dtype(t) == torch.bfloat16
+    with pytest.raises(ValueError, match="eval.dtype must be"):
+        EvalStageConfig(prompt_sets=sets, dtype="fp8")

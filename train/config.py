@@ -34,8 +34,16 @@ class DraftModelConfig:
     """N: the drafter predicts the N most frequent loss-masked target tokens of the training data."""
     intermediate_size: int | None = None
     """MLP width of the drafter layer; None takes the target's."""
+    init: str = "random"
+    """``random`` (nn.Linear default init) or ``target``: start the whole drafter from the target
+    (:func:`train.setup.init_from_target`): the decoder layer from target layer ``init_layer``, ``fc`` as the
+    identity on the top aux block, ``norm`` and ``lm_head`` from the target's final norm and head rows."""
+    init_layer: int | None = None
+    """Target layer the drafter layer starts from (``init=target``); None: the layer after the top aux layer,
+    which reads exactly the state ``fc`` passes through, so step 0 starts as the target's own upper layer."""
     init_lm_head: str = "random"
-    """``random`` (nn.Linear default init) or ``target``: start ``lm_head`` from the target head's draft rows."""
+    """``random`` (nn.Linear default init) or ``target``: start ``lm_head`` from the target head's draft rows
+    (implied by ``init=target``)."""
     vocab_file: str | None = None
     """A JSON draft vocabulary written by :func:`train.vocab.DraftVocab.save`; None builds it from the data."""
 
@@ -48,6 +56,10 @@ class DraftModelConfig:
             )
         if self.init_lm_head not in ("random", "target"):
             raise ValueError(f"drafter.init_lm_head must be 'random' or 'target', not {self.init_lm_head!r}")
+        if self.init not in ("random", "target"):
+            raise ValueError(f"drafter.init must be 'random' or 'target', not {self.init!r}")
+        if self.init_layer is not None and self.init_layer < 0:
+            raise ValueError(f"drafter.init_layer must be a layer index or null, not {self.init_layer}")
 
 
 @dataclass

@@ -43,10 +43,82 @@ def build_drafter(target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 
     drafter = Eagle3Drafter(dcfg)
     drafter.set_embedding(target.model.get_input_embeddings().weight.detach().float().cpu())
     drafter.set_vocab_map(vocab.draft_to_target)
-    if cfg.init_lm_head == "target":
+    if cfg.init == "target":
+        init_from_target(drafter, target, vocab, layer=cfg.init_layer)
+    elif cfg.init_lm_head == "target":
         with torch.no_grad():
             drafter.lm_head.weight.copy_(target.head.weight.detach().float().cpu()[vocab.draft_to_target])
     return drafter
+
+
+def init_from_target(
+    drafter: Eagle3Drafter, target, vocab: DraftVocab, layer: int | None = None
+) -> list[str]:
+    """Start ``drafter`` as the target's own upper layer: at step 0 it then computes target layer ``layer`` on the
+    top aux state and reads it out through the target's final norm and head (the logit lens at that layer).
+
+    - ``fc`` [H, n_aux*H]: the identity on the top aux block, zeros elsewhere;
+    - ``midlayer``: q/k/v take ``[input_layernorm(embedding) ; hidden_norm(hidden)]`` (2H wide): the hidden half
+      copies the target layer's q/k/v, the embedding half starts at zero; o_proj, the MLP and
+      ``post_attention_layernorm`` are the layer's; ``hidden_norm`` and ``input_layernorm`` its input norm;
+    - ``norm`` is the target's final norm, ``lm_head`` the target head's draft rows.
+
+    ``layer`` defaults to the layer after the top aux layer, the one that reads exactly the state ``fc`` passes
+    through. Weights whose shapes do not fit (an MLA attention, a drafter MLP of another width) and parts the
+    drafter has no place for (attention biases, q/k norms) are left as they are; their names are returned."""
+    n = len(target.layers)
+    top = int(target.aux_layers[-1])
+    idx = top + 1 if layer is None else int(layer)
+    if not 0 <= idx < n:
+        raise ValueError(f"drafter.init_layer={idx}: the target has layers 0..{n - 1}")
+    src = target.layers[idx]
+    h = drafter.config.hidden_size
+    skipped: list[str] = []
+
+    def put(dst: torch.Tensor, value: torch.Tensor | None, name: str) -> None:
+        if value is None or tuple(value.shape) != tuple(dst.shape):
+            skipped.append(name)
+            return
+        dst.copy_(value.detach().float().cpu())
+
+    def weight(module, *path: str) -> torch.Tensor | None:
+        for p in path:
+            module = getattr(module, p, None)
+            if module is None:
+                return None
+        return getattr(module, "weight", None)
+
+    d = drafter.midlayer
+    with torch.no_grad():
+        fc = torch.zeros_like(drafter.fc.weight)  # [H, n_aux*H]
+        fc[:, -h:] = torch.eye(h)
+        drafter.fc.weight.copy_(fc)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            dst = getattr(d.self_attn, name).weight  # [out, 2H]: embedding half, hidden half
+            dst[:, :h].zero_()
+            put(dst[:, h:], weight(src, "self_attn", name), f"self_attn.{name}")
+            if getattr(getattr(src.self_attn, name, None), "bias", None) is not None:
+                skipped.append(f"self_attn.{name}.bias")
+        put(d.self_attn.o_proj.weight, weight(src, "self_attn", "o_proj"), "self_attn.o_proj")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            put(getattr(d.mlp, name).weight, weight(src, "mlp", name), f"mlp.{name}")
+        put(d.hidden_norm.weight, weight(src, "input_layernorm"), "input_layernorm")
+        put(d.input_layernorm.weight, weight(src, "input_layernorm"), "input_layernorm")
+        put(
+            d.post_attention_layernorm.weight,
+            weight(src, "post_attention_layernorm"),
+            "post_attention_layernorm",
+        )
+        put(drafter.norm.weight, weight(target.base, "norm"), "norm")
+        drafter.lm_head.weight.copy_(target.head.weight.detach().float().cpu()[vocab.draft_to_target])
+    for extra in ("q_norm", "k_norm"):
+        if getattr(src.self_attn, extra, None) is not None:
+            skipped.append(f"self_attn.{extra}")
+    if skipped:
+        log.warning("drafter init from target layer %d: left at random init: %s", idx, ", ".join(skipped))
+    else:
+        log.info("drafter initialised from target layer %d (fc = identity on aux layer %d)", idx, top)
+    return skipped
 
 
 def draft_vocab_for(data: Any, cfg: DraftModelConfig, vocab_size: int, output_dir: str | Path) -> DraftVocab:

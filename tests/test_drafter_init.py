@@ -1,0 +1,61 @@
+"""Starting the drafter from the target: at step 0 it reads out the target's own upper layer, so its predictions
+agree with the target's next-token argmax far more often than a random start's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.train.config import DraftModelConfig
+from eyas.train.setup import build_drafter
+from eyas.train.vocab import build_draft_vocab
+
+
+def _agreement(target, drafter, input_ids: torch.Tensor) -> float:
+    """How often the drafter's step-0 argmax at row t equals the target's argmax at position t."""
+    out = target.forward(input_ids)
+    want = out.logits.argmax(-1)  # [B, T] the target's next token at each position
+    with torch.no_grad():
+        ttt = drafter.forward_ttt(input_ids, out.aux.float(), steps=1)
+        got = drafter.draft_to_target[drafter.logits(ttt.hidden[0]).argmax(-1)]  # [B, T] target ids
+    return float((got == want).float().mean())
+
+
+def _drafters(target, draft_vocab_size: int):
+    counts = torch.arange(target.vocab_size, 0, -1)  # any fixed vocabulary
+    vocab = build_draft_vocab(counts, draft_vocab_size)
+    cfg = dict(draft_vocab_size=draft_vocab_size)
+    random = build_drafter(target, DraftModelConfig(**cfg), vocab, seed=0)
+    warm = build_drafter(target, DraftModelConfig(**cfg, init="target"), vocab, seed=0)
+    return random, warm
+
+
+def test_target_init_reproduces_the_tiny_targets_top_layer(tiny_target):
+    target = tiny_target("llama", num_layers=6)  # aux layers 0, 2, 4: the drafter starts as layer 5, the last
+    random, warm = _drafters(target, target.vocab_size)
+    ids = torch.randint(3, target.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert _agreement(target, warm, ids) == 1.0
+    assert _agreement(target, random, ids) < 0.2
+    h = warm.config.hidden_size
+    assert torch.count_nonzero(warm.midlayer.self_attn.q_proj.weight[:, :h]) == 0  # the embedding half
+    assert torch.equal(warm.fc.weight[:, -h:], torch.eye(h))
+
+
+def test_target_init_refuses_a_layer_the_target_lacks(tiny_target):
+    target = tiny_target("llama", num_layers=4)
+    vocab = build_draft_vocab(torch.ones(target.vocab_size), 64)
+    with pytest.raises(ValueError, match="init_layer=9"):
+        build_drafter(target, DraftModelConfig(draft_vocab_size=64, init="target", init_layer=9), vocab)
+
+
+def test_target_init_agrees_with_the_embedded_target(embedded_target_fp32):
+    target = embedded_target_fp32
+    text = (
+        "The quick brown fox jumps over the lazy dog. To solve 12 * 7, multiply 10 * 7 = 70 and 2 * 7 = 14, "
+        "then add them: 70 + 14 = 84. The answer is 84."
+    )
+    ids = torch.tensor([target.tokenizer(text)["input_ids"]])
+    random, warm = _drafters(target, 8192)
+    a_warm, a_random = _agreement(target, warm, ids), _agreement(target, random, ids)
+    assert a_warm >= 0.5, a_warm
+    assert a_warm > a_random + 0.4, (a_warm, a_random)
