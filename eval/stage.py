@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,10 @@ class EvalStageConfig:
     """Step-time profile against context length (None: skip)."""
     max_prompt_tokens: int = 1536
     """Prompts longer than this are left out."""
+    measure_best_k: bool = True
+    """When the profile recommends a chain length other than ``chain_length``, also run the EAGLE-3 chain at that
+    K on every set (method ``eagle3-chain-k<K>``): the report then shows measured, not predicted, tokens/s at the
+    K to serve."""
     threads: int | None = None
     """torch CPU threads during evaluation, and the CPU engine server's OMP_NUM_THREADS (None: leave as is)."""
     dtype: str = "auto"
@@ -200,6 +204,8 @@ def run(
                 target, drafter, ProfileConfig(**{**asdict(pcfg), "verify_tokens": sizes, "draft_rows": rows})
             )
     chain_k = recommend_chain_length(acc, prof)
+    if chain_k is not None and target is not None and ecfg.measure_best_k:
+        acc = add_best_k_rows(acc, chain_k.best_k, ecfg, target, drafter, prompts)
     engine = None
     if ecfg.engine != "bundled":
         engine = run_engine(job, export_dir, prompts, out)
@@ -221,6 +227,33 @@ def run(
     if engine is not None:
         print_engine_table(engine, acc)
     return EvalResult(acc, prof, Path(report), time.perf_counter() - t0, engine, chain_k)
+
+
+def add_best_k_rows(
+    acc: AcceptanceResult,
+    best_k: int,
+    ecfg: EvalStageConfig,
+    target: Target,
+    drafter,
+    prompts: dict[str, tuple[PromptSetSpec, list[list[int]]]],
+) -> AcceptanceResult:
+    """``acc`` with the EAGLE-3 chain measured again at ``best_k`` (one row per set, right after that set's
+    ``eagle3-chain`` row); unchanged when ``best_k`` is the K already measured."""
+    if best_k == ecfg.chain_length or "eagle3-chain" not in ecfg.methods:
+        return acc
+    spec = MethodSpec(f"eagle3-chain-k{best_k}", "eagle3", "chain", best_k)
+    plain = MethodSpec("none", "none", "chain", 1)  # its own baseline: speedup and greedy match of the new rows
+    extra = run_acceptance(
+        target, drafter, prompts, [spec, plain], SamplingConfig(temperature=ecfg.temperature, seed=ecfg.seed)
+    )
+    by_set = {r.prompt_set: r for r in extra.results if r.method == spec.name}
+    rows = []
+    for r in acc.results:
+        rows.append(r)
+        if r.method == "eagle3-chain" and r.prompt_set in by_set:
+            rows.append(by_set.pop(r.prompt_set))
+    rows.extend(by_set.values())
+    return replace(acc, results=rows)
 
 
 def run_engine(
