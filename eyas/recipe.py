@@ -109,7 +109,10 @@ def variant_configs(
 ) -> tuple[DraftModelConfig, TrainConfig]:
     """The drafter and train configs of ``v`` over the base ones, with the training seed ``seed``."""
     d = build_config(DraftModelConfig, _merge(asdict(drafter), v.drafter), f"recipe.{v.name}.drafter")
-    t = build_config(TrainConfig, _merge(asdict(train), {**v.train, "seed": seed}), f"recipe.{v.name}.train")
+    # the seed moves both the drafter's random init and the data order (the loader's shuffle has its own seed):
+    # a drafter started from the target has no random weights, so the order is its only source of variation
+    over = _merge(v.train, {"seed": seed, "data": {"loader": {"seed": seed}}})
+    t = build_config(TrainConfig, _merge(asdict(train), over), f"recipe.{v.name}.train")
     return d, t
 
 

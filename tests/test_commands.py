@@ -197,7 +197,11 @@ def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
     v = next(v for v in rc.variants if v.name == "target-init-lr1e-3")
     d, t = variant_configs(v, job.drafter, job.train, seed=3)
     assert d.init == "target" and t.lr == 1e-3 and t.seed == 3
-    assert t.max_steps == job.train.max_steps and t.data == job.train.data  # the same budget and data
+    assert t.max_steps == job.train.max_steps and t.data.store_dir == job.train.data.store_dir  # same budget, data
+    assert t.data.loader["seed"] == 3  # the seed moves the data order too (all a target-started drafter varies by)
+    assert {k: v for k, v in t.data.loader.items() if k != "seed"} == {
+        k: v for k, v in job.train.data.loader.items() if k != "seed"
+    }
     bad = {"name": "x", "drafter": {"init": "warm"}}
     with pytest.raises(ValueError, match="drafter.init must be"):
         variant_configs(
