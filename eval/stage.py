@@ -242,7 +242,9 @@ def add_best_k_rows(
     if best_k == ecfg.chain_length or "eagle3-chain" not in ecfg.methods:
         return acc
     spec = MethodSpec(f"eagle3-chain-k{best_k}", "eagle3", "chain", best_k)
-    plain = MethodSpec("none", "none", "chain", 1)  # its own baseline: speedup and greedy match of the new rows
+    plain = MethodSpec(
+        "none", "none", "chain", 1
+    )  # its own baseline: speedup and greedy match of the new rows
     extra = run_acceptance(
         target, drafter, prompts, [spec, plain], SamplingConfig(temperature=ecfg.temperature, seed=ecfg.seed)
     )

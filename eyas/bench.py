@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 
 
 def _run_json(args: list[str], out: Path) -> dict[str, Any] | None:
-    """Run ``python -m <args> --out <out>`` unless ``out`` exists; return its JSON (None if it failed)."""
+    """Run ``python -m <module> <overrides> <key>.out=<out>`` unless ``out`` exists (the key is the module's last
+    name: ``eyas.bench_train`` -> ``bench_train``); return its JSON (None if it failed)."""
     if not out.exists():
-        cmd = [sys.executable, "-m", *args, "--out", str(out)]
+        cmd = [sys.executable, "-m", *args, f"{args[0].rsplit('.', 1)[-1]}.out={out}"]
         print("$ " + " ".join(cmd[1:]), flush=True)
         res = subprocess.run(cmd, text=True)
         if res.returncode != 0:

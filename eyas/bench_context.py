@@ -3,30 +3,65 @@
 Two drafters for the embedded target, trained at equal training tokens on the same feature store, then τ
 against context length (``eval.context``) for each, and for prompt lookup:
 
-- ``short``: every row at most ``--short`` tokens (long conversations truncated to it), as eyas trains by default;
-- ``mix``: ``loader.length_mix`` = {short: 1 - f, window: f} (``--long-share`` f of the tokens in rows of whole
+- ``short``: every row at most ``short`` tokens (long conversations truncated to it), as eyas trains by default;
+- ``mix``: ``loader.length_mix`` = {short: 1 - f, window: f} (``long_share`` f of the tokens in rows of whole
   long conversations, up to the target's window).
 
 Design decisions:
 - Data is real chat: ShareGPT's training split, single (user, assistant) pairs for the short samples and
-  conversations of many pairs up to ``--long`` tokens (:func:`data.long_context.long_conversations`) for the
+  conversations of many pairs up to ``long`` tokens (:func:`data.long_context.long_conversations`) for the
   long ones; the evaluation prefixes come from its held-out split. The teacher is the target's own distribution
   (distillation through its head), as in every eyas run.
 - Equal training tokens: each recipe's ``max_steps`` is the number of batches of its own loader plan whose row
-  tokens first reach ``--budget`` (a batch of 8k-token rows counts 8k tokens, one of 512-token rows 512).
+  tokens first reach ``budget`` (a batch of 8k-token rows counts 8k tokens, one of 512-token rows 512).
 - The trainer, loader, store and evaluation are the stages' own (``train.setup.run``, ``data.extract``,
-  ``eval.context.run``); this module only chooses their settings. Flags (argparse), like the other benchmarks.
+  ``eval.context.run``); this module only chooses their settings. A Hydra app like every command
+  (``conf/bench_context.yaml``, typed by :class:`BenchContextConfig`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+@dataclass
+class BenchContextConfig:
+    """``python -m eyas.bench_context`` (``bench_context`` in ``conf/bench_context.yaml``)."""
+
+    out: str = "runs/bench_context"
+    """Work directory (store, checkpoints, reports)."""
+    budget: int = 200_000
+    """Training tokens per recipe."""
+    short: int = 512
+    """Tokens per short row."""
+    long: int = 7680
+    """Tokens per long conversation (at most the target's window)."""
+    n_short: int = 700
+    n_long: int = 16
+    long_share: float = 0.5
+    """Share of the ``mix`` recipe's tokens in long rows."""
+    conversations: int = 3000
+    """ShareGPT conversations read for turn pairs."""
+    recipes: list[str] = field(default_factory=lambda: ["short", "mix"])
+    """``short`` and/or ``mix``; the first also measures prompt lookup."""
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 7168])
+    prompts: int = 3
+    max_new_tokens: int = 64
+    threads: int = 2
+    lr: float = 1e-3
+    draft_vocab: int = 8192
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.recipes) - {"short", "mix"})
+        if bad or not self.recipes:
+            raise ValueError(f"bench_context.recipes: 'short' and/or 'mix', not {self.recipes}")
+        if not 0.0 < self.long_share < 1.0:
+            raise ValueError(f"bench_context.long_share must be in (0, 1), got {self.long_share}")
 
 
 def build_samples(target, n_short: int, short: int, n_long: int, long: int, conversations: int):
@@ -37,7 +72,9 @@ def build_samples(target, n_short: int, short: int, n_long: int, long: int, conv
 
     pairs = turn_pairs("sharegpt", conversations, split="train")
     if len(pairs) < n_short + 8:
-        raise ValueError(f"{len(pairs)} turn pairs in {conversations} conversations: raise --conversations")
+        raise ValueError(
+            f"{len(pairs)} turn pairs in {conversations} conversations: raise bench_context.conversations"
+        )
     shorts = []
     for i, pair in enumerate(pairs[:n_short]):
         s = format_conversation(Conversation(f"short-{i}", list(pair), "sharegpt"), target.tokenizer, short)
@@ -68,29 +105,21 @@ def steps_for_budget(store, loader: dict[str, Any], budget: int) -> tuple[int, i
     return steps, tokens
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/bench_context", help="work directory (store, checkpoints, reports)")
-    p.add_argument("--budget", type=int, default=200_000, help="training tokens per recipe")
-    p.add_argument("--short", type=int, default=512, help="tokens per short row")
-    p.add_argument("--long", type=int, default=7680, help="tokens per long conversation (<= the window)")
-    p.add_argument("--n-short", type=int, default=700)
-    p.add_argument("--n-long", type=int, default=16)
-    p.add_argument(
-        "--long-share", type=float, default=0.5, help="share of the mix recipe's tokens in long rows"
-    )
-    p.add_argument(
-        "--conversations", type=int, default=3000, help="ShareGPT conversations read for turn pairs"
-    )
-    p.add_argument("--recipes", nargs="+", default=["short", "mix"], choices=["short", "mix"])
-    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 7168])
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    args = p.parse_args(argv)
+def main() -> None:
+    import hydra
 
+    from eyas.common import build_config, exit_on_config_error
+
+    @hydra.main(config_path="pkg://eyas.conf", config_name="bench_context", version_base="1.3")
+    @exit_on_config_error
+    def _app(cfg) -> None:
+        run(build_config(BenchContextConfig, cfg.bench_context, "bench_context"))
+
+    _app()
+
+
+def run(args: BenchContextConfig) -> dict[str, Any]:
+    """Store, then per recipe: train at the budget and measure τ against context (see the module docstring)."""
     import torch
 
     from eyas.data.extract import ExtractConfig, extract
@@ -129,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
             "length_mix": {args.short: 1 - args.long_share, window: args.long_share},
         },
     }
-    summary: dict[str, Any] = {"args": vars(args), "extract_s": extract_s, "recipes": {}}
+    summary: dict[str, Any] = {"args": asdict(args), "extract_s": extract_s, "recipes": {}}
     for i, name in enumerate(args.recipes):
         loader = loaders[name]
         steps, tokens = steps_for_budget(store, loader, args.budget)
@@ -177,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"summary: {out / 'summary.json'}")
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Benchmark: feature extraction speed against a bare target forward over the same tokens, and store size.
 
-``python -m eyas.bench_extract [--samples 64 --min-len 128 --max-len 512 --max-batch-tokens 4096 ...]``
+``python -m eyas.bench_extract [bench_extract.samples=64 bench_extract.max_len=512 ...]`` (Hydra,
+``conf/bench_extract.yaml``, typed by :class:`BenchExtractConfig`)
 
 Measured on the same length-sorted, padded micro-batches the extraction uses:
 - ``bare CausalLM``: ``target.model(input_ids)``, the plain transformers forward including logits at every
@@ -8,13 +9,12 @@ Measured on the same length-sorted, padded micro-batches the extraction uses:
 - ``bare base``: the decoder stack alone, no vocabulary projection (the floor for the ``hidden`` option);
 - ``extract <option>``: the whole job (forward, aux capture, encoding, top-k, shard serialization, sha256,
   fsync) writing a real store into a temporary directory.
-Each path runs ``--repeats`` times, interleaved; the best time counts (the first pass also warms kernels up).
+Each path runs ``repeats`` times, interleaved; the best time counts (the first pass also warms kernels up).
 Tokens/s counts real tokens only (no padding).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +39,40 @@ OPTIONS = {
     "fp8+top32": StoreOptions(aux_dtype="float8_e4m3", distribution="topk", topk=32),
     "int4+top32": StoreOptions(aux_dtype="int4", int4_group_size=64, distribution="topk", topk=32),
 }
+
+
+@dataclass
+class BenchExtractConfig:
+    """``python -m eyas.bench_extract`` (``bench_extract`` in ``conf/bench_extract.yaml``)."""
+
+    target: str = "embedded"
+    """``TargetConfig.path`` (``embedded``: the embedded SmolLM2-135M)."""
+    dtype: str = "auto"
+    device: str = "auto"
+    samples: int = 64
+    min_len: int = 128
+    max_len: int = 512
+    max_batch_tokens: int = 4096
+    max_batch_rows: int = 256
+    shard_size: int = 32
+    repeats: int = 2
+    threads: int = 0
+    """torch CPU threads (0: torch's default)."""
+    options: list[str] = field(default_factory=lambda: list(OPTIONS))
+    """Store layouts to extract (a subset of :data:`OPTIONS`)."""
+    writer_thread: bool = True
+    """Serialize shards on a writer thread (false: on the compute thread)."""
+    out: str | None = None
+    """Also write the results as JSON here."""
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.options if n not in OPTIONS]
+        if unknown:
+            raise ValueError(f"bench_extract.options: unknown {unknown}; choose from {list(OPTIONS)}")
+        if not 0 < self.min_len <= self.max_len:
+            raise ValueError(
+                f"bench_extract: need 0 < min_len <= max_len, got {self.min_len}, {self.max_len}"
+            )
 
 
 def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[Sample]:
@@ -90,25 +125,21 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--target", default="embedded", help="TargetConfig.path (default: the embedded SmolLM2-135M)"
-    )
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--samples", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=128)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--max-batch-tokens", type=int, default=4096)
-    p.add_argument("--max-batch-rows", type=int, default=256)
-    p.add_argument("--shard-size", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated subset of {list(OPTIONS)}")
-    p.add_argument("--no-writer-thread", action="store_true", help="serialize shards on the compute thread")
-    p.add_argument("--out", default=None, help="also write the results as JSON here")
-    args = p.parse_args(argv)
+def main() -> None:
+    import hydra
+
+    from eyas.common import build_config, exit_on_config_error
+
+    @hydra.main(config_path="pkg://eyas.conf", config_name="bench_extract", version_base="1.3")
+    @exit_on_config_error
+    def _app(cfg) -> None:
+        run(build_config(BenchExtractConfig, cfg.bench_extract, "bench_extract"))
+
+    _app()
+
+
+def run(args: BenchExtractConfig, argv: list[str] | None = None) -> list[dict]:
+    """Time every path (see the module docstring); print the table and write ``args.out``."""
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,10 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     info = target.info
     samples = make_samples(args.samples, args.min_len, args.max_len, info.vocab_size, seed=0)
     tokens = sum(s.num_tokens for s in samples)
-    names = [n.strip() for n in args.options.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIONS]
-    if unknown:
-        p.error(f"unknown options {unknown}; choose from {list(OPTIONS)}")
+    names = list(args.options)
 
     paths: dict[str, Callable[[], object]] = {
         "bare CausalLM": bare_forward(
@@ -138,15 +166,15 @@ def main(argv: list[str] | None = None) -> None:
             shard_size=args.shard_size,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_rows=args.max_batch_rows,
-            writer_thread=not args.no_writer_thread,
+            writer_thread=args.writer_thread,
             progress=False,
         )
 
-        def run(cfg: ExtractConfig = cfg) -> None:
+        def job(cfg: ExtractConfig = cfg) -> None:
             with tempfile.TemporaryDirectory(prefix="eyas-bench-") as d:
                 extract(samples, target, d, cfg)
 
-        paths[f"extract {name}"] = run
+        paths[f"extract {name}"] = job
     best = {k: float("inf") for k in paths}
     for _ in range(args.repeats):
         for k, fn in paths.items():
@@ -178,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{k:<22}{tps:>10.0f}{base_lm / sec:>13.3f}{base / sec:>10.3f}{size}")
     if args.out:
         Path(args.out).write_text(json.dumps({"command": cmd, "tokens": tokens, "results": rows}, indent=1))
+    return rows
 
 
 if __name__ == "__main__":

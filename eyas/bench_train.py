@@ -2,29 +2,28 @@
 
 What it measures: the real training step of :func:`train.loop.fit` (teacher from the stored final hidden state
 through the frozen target head, TTT unroll, loss, backward, AdamW), for the embedded default target
-(SmolLM2-135M-Instruct), 512-token samples (one per micro-batch; ``--seq-len 512 2048 8192`` for long rows), TTT 7,
+(SmolLM2-135M-Instruct), 512-token samples (one per micro-batch; ``bench_train.seq_len=[512,2048,8192]`` for long rows), TTT 7,
 over draft vocabularies and precisions.
 Tokens/s counts every sequence token of a step (SpecForge's convention), from the step timings ``fit`` logs,
-after ``--warmup`` steps. Peak memory is the resident set of the training process (sampled every 20 ms), with
+after ``warmup`` steps. Peak memory is the resident set of the training process (sampled every 20 ms), with
 the part above the pre-training baseline (inputs, head and embedding already loaded) shown separately.
-``--attention`` times the TTT attention alone instead (7 unroll steps, forward and backward, SmolLM2's heads):
+``bench_train.attention=[block,dense]`` times the TTT attention alone instead (7 unroll steps, forward and backward, SmolLM2's heads):
 the block-wise :func:`serving.ttt_attention.ttt_attention` against the dense-mask reference, per row length.
 
 Design decisions:
 - The target runs once in the parent to make the features (as a bf16 feature store would hold them); each
   configuration then trains in a fresh child process that never loads the target model, so peak memory is the
   trainer's, not the target's, and configurations cannot disturb each other.
-- Inputs are uniform random tokens with the last ``--loss-fraction`` of each sample marked as assistant tokens:
+- Inputs are uniform random tokens with the last ``loss_fraction`` of each sample marked as assistant tokens:
   throughput depends on the token count, the loss-row fraction and the draft vocabulary, not on the text.
-- Flags (argparse), not a Hydra app: it is a measurement sweep over lists (``--vocab 8192 32768 --modes bf16
-  fp32``) that builds no stage config, and it re-invokes itself per configuration with private flags
-  (``--child``); a Hydra app here would add a run directory per child and nothing a user could override that
-  the flags do not already name. ``eyas bench`` (Hydra, ``conf/bench.yaml``) passes it its flags.
+- A Hydra app like every eyas command (``conf/bench_train.yaml``, typed by :class:`BenchTrainConfig`: a bad key
+  or type is named in one line): lists sweep, e.g. ``bench_train.vocab=[8192,32768] bench_train.modes=[bf16]``.
+  Each configuration runs in a child process that gets its settings as one JSON argument (:func:`child_main`),
+  not through Hydra, so children make no run directories and cannot be started by mistake.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -32,7 +31,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -42,6 +43,46 @@ MODES = {
     "bf16_head": dict(precision="fp32", bf16_lm_head=True),
     "bf16": dict(precision="bf16", bf16_lm_head=False),
 }
+
+
+@dataclass
+class BenchTrainConfig:
+    """``python -m eyas.bench_train`` (``bench_train`` in ``conf/bench_train.yaml``)."""
+
+    vocab: list[int] = field(default_factory=lambda: [8192, 32768])
+    """Draft vocabulary sizes (one run each)."""
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    """Precisions: ``fp32``, ``bf16_head`` (fp32 with a bf16 lm_head), ``bf16``."""
+    oov: str = "teacher"
+    """``train.oov_rule``: ``teacher`` or ``label``."""
+    seq_len: list[int] = field(default_factory=lambda: [512])
+    """Tokens per row (one run per length)."""
+    samples: int = 6
+    """Samples (= micro-batches) the steps cycle over."""
+    steps: int = 4
+    """Timed optimizer steps."""
+    warmup: int = 1
+    """Untimed steps first."""
+    threads: int = 2
+    ttt: int = 7
+    """Training-time-test unroll length."""
+    loss_fraction: float = 0.7
+    """Share of each sample marked as assistant (loss) tokens."""
+    out: str | None = None
+    """Also write the results as JSON here."""
+    attention: list[str] | None = None
+    """Time the TTT attention alone instead of training: ``[block]``, ``[dense]`` or both (``[]`` = both)."""
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.modes) - set(MODES))
+        if bad:
+            raise ValueError(f"bench_train.modes: unknown {bad} (known: {list(MODES)})")
+        if self.oov not in ("teacher", "label"):
+            raise ValueError(f"bench_train.oov must be 'teacher' or 'label', not {self.oov!r}")
+        if self.attention is not None and set(self.attention) - {"block", "dense"}:
+            raise ValueError(f"bench_train.attention: 'block' and/or 'dense', not {self.attention}")
+        if min(self.vocab + self.seq_len + [self.samples, self.steps, self.threads, self.ttt]) < 1:
+            raise ValueError("bench_train: vocab, seq_len, samples, steps, threads and ttt must be positive")
 
 
 def make_bundle(path: Path, samples: int, seq_len: int, loss_fraction: float) -> None:
@@ -98,7 +139,7 @@ class PeakRSS:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def run_child(args: argparse.Namespace) -> dict[str, Any]:
+def run_child(args: SimpleNamespace) -> dict[str, Any]:
     """One configuration: build the drafter from the bundle, train, report tokens/s and memory."""
     import logging
 
@@ -158,12 +199,12 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_attention_child(args: argparse.Namespace) -> dict[str, Any]:
+def run_attention_child(args: SimpleNamespace) -> dict[str, Any]:
     """One (implementation, row length): the TTT unroll's attention alone, forward and backward."""
     from eyas.serving.ttt_attention import dense_ttt_attention, ttt_attention
 
     torch.set_num_threads(args.threads)
-    t, steps = args.seq_len[0], args.ttt
+    t, steps = args.seq_len, args.ttt
     heads, kv_heads, head_dim = 9, 3, 64  # SmolLM2-135M
     g = torch.Generator().manual_seed(0)
     q = [torch.randn(1, heads, t, head_dim, generator=g).requires_grad_() for _ in range(steps)]
@@ -204,56 +245,26 @@ def _child(cmd: list[str]) -> dict[str, Any]:
     return json.loads(line[7:])
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vocab", type=int, nargs="+", default=[8192, 32768], help="draft vocabulary sizes")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    p.add_argument("--oov", default="teacher", choices=["teacher", "label"])
-    p.add_argument(
-        "--seq-len", type=int, nargs="+", default=[512], help="tokens per row (one run per length)"
-    )
-    p.add_argument("--samples", type=int, default=6, help="samples (= micro-batches) the steps cycle over")
-    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--ttt", type=int, default=7)
-    p.add_argument("--loss-fraction", type=float, default=0.7)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument(
-        "--attention",
-        nargs="*",
-        choices=["block", "dense"],
-        default=None,
-        help="time the TTT attention alone (block-wise and/or the dense-mask reference) instead of training",
-    )
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--child-attention", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="fp32", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child_attention:
-        print("RESULT " + json.dumps(run_attention_child(args)), flush=True)
-        return
-    if args.child:
-        args.vocab = args.vocab[0]
-        args.seq_len = args.seq_len[0]
-        print("RESULT " + json.dumps(run_child(args)), flush=True)
-        return
+def child_main(spec: str) -> None:
+    """A child run: ``spec`` is the JSON of one configuration (the parent's settings, one vocab/mode/length)."""
+    args = SimpleNamespace(**json.loads(spec))
+    res = run_attention_child(args) if args.child_attention else run_child(args)
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def _spawn(args: BenchTrainConfig, **one: Any) -> dict[str, Any]:
+    spec = {**asdict(args), "child_attention": None, **one}
+    code = "import sys; from eyas.bench_train import child_main; child_main(sys.argv[1])"
+    return _child([sys.executable, "-c", code, json.dumps(spec)])
+
+
+def run(args: BenchTrainConfig) -> list[dict[str, Any]]:
+    """Every configuration of the sweep, each in its own child process; printed, and written to ``args.out``."""
     results = []
     if args.attention is not None:
         for seq_len in args.seq_len:
             for impl in args.attention or ["block", "dense"]:
-                res = _child(
-                    [
-                        sys.executable,
-                        "-m",
-                        "eyas.bench_train",
-                        "--child-attention",
-                        impl,
-                        "--seq-len",
-                        str(seq_len),
-                        *_timing_flags(args),
-                    ]
-                )
+                res = _spawn(args, child_attention=impl, seq_len=seq_len)
                 results.append(res)
                 print(
                     f"attention {impl:<5}  {seq_len:>5} tokens  {res['fwd_bwd_ms']:8.0f} ms fwd+bwd  "
@@ -261,57 +272,43 @@ def main(argv: list[str] | None = None) -> None:
                     f"load {res['load_avg_1m']:.1f}",
                     flush=True,
                 )
-        _write(args, results)
-        return
-    for seq_len in args.seq_len:
-        results += _train_runs(args, seq_len)
+    else:
+        for seq_len in args.seq_len:
+            results += _train_runs(args, seq_len)
     _write(args, results)
+    return results
 
 
-def _timing_flags(args: argparse.Namespace) -> list[str]:
-    """The flags a child run takes over from this one."""
-    return [
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--threads",
-        str(args.threads),
-        "--ttt",
-        str(args.ttt),
-    ]
+def main() -> None:
+    import hydra
+
+    from eyas.common import build_config, exit_on_config_error
+
+    @hydra.main(config_path="pkg://eyas.conf", config_name="bench_train", version_base="1.3")
+    @exit_on_config_error
+    def _app(cfg) -> None:
+        run(build_config(BenchTrainConfig, cfg.bench_train, "bench_train"))
+
+    _app()
 
 
-def _write(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+def _write(args: BenchTrainConfig, results: list[dict[str, Any]]) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"seq_lens": args.seq_len, "results": results}, indent=1))
 
 
-def _train_runs(args: argparse.Namespace, seq_len: int) -> list[dict[str, Any]]:
+def _train_runs(args: BenchTrainConfig, seq_len: int) -> list[dict[str, Any]]:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         bundle = Path(tmp) / "bundle.pt"
         make_bundle(bundle, args.samples, seq_len, args.loss_fraction)
         for v in args.vocab:
             for mode in args.modes:
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "eyas.bench_train",
-                    "--child",
-                    str(bundle),
-                    "--vocab",
-                    str(v),
-                    "--mode",
-                    mode,
-                    "--oov",
-                    args.oov,
-                    *_timing_flags(args),
-                    "--seq-len",
-                    str(seq_len),
-                ]
-                res = {"seq_len": seq_len, **_child(cmd)}
+                res = {
+                    "seq_len": seq_len,
+                    **_spawn(args, child=str(bundle), vocab=v, mode=mode, seq_len=seq_len),
+                }
                 results.append(res)
                 print(
                     f"{seq_len:>5} tokens/row  vocab {v:>6}  {mode:<9}  {res['tokens_per_s']:7.1f} tokens/s  {res['step_s']:6.2f} s/step  "

@@ -3,6 +3,7 @@ unknown key or a wrong type in one line."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from eyas.common import ConfigError, build_config, load_job
+
+from .conftest import run_app
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -197,8 +200,12 @@ def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
     v = next(v for v in rc.variants if v.name == "target-init-lr1e-3")
     d, t = variant_configs(v, job.drafter, job.train, seed=3)
     assert d.init == "target" and t.lr == 1e-3 and t.seed == 3
-    assert t.max_steps == job.train.max_steps and t.data.store_dir == job.train.data.store_dir  # same budget, data
-    assert t.data.loader["seed"] == 3  # the seed moves the data order too (all a target-started drafter varies by)
+    assert (
+        t.max_steps == job.train.max_steps and t.data.store_dir == job.train.data.store_dir
+    )  # same budget, data
+    assert (
+        t.data.loader["seed"] == 3
+    )  # the seed moves the data order too (all a target-started drafter varies by)
     assert {k: v for k, v in t.data.loader.items() if k != "seed"} == {
         k: v for k, v in job.train.data.loader.items() if k != "seed"
     }
@@ -218,3 +225,54 @@ def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
         )
     with pytest.raises(ValueError, match="unknown variants"):
         build_config(RecipeConfig, {"variants": [{"name": "a"}], "only": ["b"]})
+
+
+# ------------------------------------------------------------------ the micro-benchmarks are Hydra apps too
+def _bench_commands():
+    from eyas import bench_context, bench_extract, bench_train
+
+    return {
+        "bench_train": (bench_train, bench_train.BenchTrainConfig, "steps", "abc", "int"),
+        "bench_extract": (bench_extract, bench_extract.BenchExtractConfig, "samples", "many", "int"),
+        "bench_context": (bench_context, bench_context.BenchContextConfig, "lr", "fast", "float"),
+    }
+
+
+@pytest.mark.parametrize("name", ["bench_train", "bench_extract", "bench_context"])
+def test_micro_benchmarks_are_hydra_apps_that_name_a_bad_override(name, monkeypatch, tmp_path, capsys):
+    module, cls, key, bad, expected = _bench_commands()[name]
+    cfg = build_config(cls, _compose(name, [])[name], name)
+    assert cfg == cls()  # the yaml lists every field at its dataclass default
+    with pytest.raises(ConfigError) as e:
+        build_config(cls, _compose(name, [f"{name}.{key}={bad}"])[name], name)
+    assert str(e.value) == f"{name}.{key}: expected {expected}, got '{bad}'"
+    assert run_app(module.main, [f"+{name}.no_such_key=1"], monkeypatch, tmp_path) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {name}.no_such_key: unknown key"), err
+    assert run_app(module.main, ["--help"], monkeypatch, tmp_path) in (None, 0)
+    assert f"{name}:" in capsys.readouterr().out
+
+
+def test_bench_train_sweep_runs_through_hydra_with_children(monkeypatch, tmp_path):
+    """A real (tiny) sweep: the TTT attention alone, block and dense, each timed in its own child process."""
+    from eyas import bench_train
+
+    out = tmp_path / "attn.json"
+    argv = [
+        "bench_train.attention=[]",
+        "bench_train.seq_len=[32]",
+        "bench_train.steps=1",
+        "bench_train.warmup=0",
+        "bench_train.threads=1",
+        f"bench_train.out={out}",
+    ]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["app", *argv])
+    bench_train.main()
+    res = json.loads(out.read_text())
+    assert res["seq_lens"] == [32]
+    assert [(r["attention"], r["seq_len"], r["ttt_steps"]) for r in res["results"]] == [
+        ("block", 32, 7),
+        ("dense", 32, 7),
+    ]
+    assert all(r["fwd_bwd_ms"] > 0 for r in res["results"])
