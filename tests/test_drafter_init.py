@@ -3,6 +3,8 @@ agree with the target's next-token argmax far more often than a random start's."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def _drafters(target, draft_vocab_size: int):
     counts = torch.arange(target.vocab_size, 0, -1)  # any fixed vocabulary
     vocab = build_draft_vocab(counts, draft_vocab_size)
     cfg = dict(draft_vocab_size=draft_vocab_size)
-    random = build_drafter(target, DraftModelConfig(**cfg), vocab, seed=0)
+    random = build_drafter(target, DraftModelConfig(**cfg, init="random"), vocab, seed=0)
     warm = build_drafter(target, DraftModelConfig(**cfg, init="target"), vocab, seed=0)
     return random, warm
 
@@ -59,3 +61,18 @@ def test_target_init_agrees_with_the_embedded_target(embedded_target_fp32):
     a_warm, a_random = _agreement(target, warm, ids), _agreement(target, random, ids)
     assert a_warm >= 0.5, a_warm
     assert a_warm > a_random + 0.4, (a_warm, a_random)
+
+
+def test_the_default_drafter_starts_from_the_target():
+    """The recipe study's winner is the default (BENCH.md, "Recipe"): `eyas train`, the demo and the bench build
+    a drafter started from the target, with an 8k draft vocabulary, with no overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from eyas.common import build_config
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        for name in ("config", "demo", "bench"):
+            cfg = build_config(DraftModelConfig, compose(name).drafter, "drafter")
+            assert cfg.init == "target" and cfg.draft_vocab_size == 8192, name
+    assert DraftModelConfig().init == "target" and DraftModelConfig().draft_vocab_size == 8192

@@ -30,12 +30,14 @@ BEST_METRICS = ("tau_chain", "tau_indep", "loss")
 class DraftModelConfig:
     """The drafter to train (conf/drafter/*.yaml); the sizes not listed here are the target's."""
 
-    draft_vocab_size: int = 32000
-    """N: the drafter predicts the N most frequent loss-masked target tokens of the training data."""
+    draft_vocab_size: int = 8192
+    """N: the drafter predicts the N most frequent loss-masked target tokens of the training data. 8192 measured
+    as good as 32k in τ at a quarter of the head's cost (BENCH.md, "Recipe"); the coverage it reaches is logged
+    and kept in ``draft_vocab.json`` (raise N where it is low, e.g. a large multilingual target)."""
     intermediate_size: int | None = None
     """MLP width of the drafter layer; None takes the target's."""
-    init: str = "random"
-    """``random`` (nn.Linear default init) or ``target``: start the whole drafter from the target
+    init: str = "target"
+    """``target`` (the default: measured best, BENCH.md "Recipe") or ``random`` (nn.Linear default init): start the whole drafter from the target
     (:func:`train.setup.init_from_target`): the decoder layer from target layer ``init_layer``, ``fc`` as the
     identity on the top aux block, ``norm`` and ``lm_head`` from the target's final norm and head rows."""
     init_layer: int | None = None
