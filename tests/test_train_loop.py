@@ -37,7 +37,9 @@ def tiny_setup(num_samples: int = 8, seq_len: int = 24, draft_vocab: int = 256):
         target, SyntheticDataConfig(num_samples=num_samples, eval_samples=4, seq_len=seq_len, shuffle=False)
     )
     vocab = build_draft_vocab(data.vocab_counts, draft_vocab)
-    drafter = build_drafter(target, DraftModelConfig(draft_vocab_size=draft_vocab, init="random"), vocab, seed=0)
+    drafter = build_drafter(
+        target, DraftModelConfig(draft_vocab_size=draft_vocab, init="random"), vocab, seed=0
+    )
     return target, drafter, data
 
 
