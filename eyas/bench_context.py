@@ -178,7 +178,8 @@ def run(args: BenchContextConfig) -> dict[str, Any]:
         )
         t1 = time.perf_counter()
         res = run_train(
-            TrainJob(target_cfg, DraftModelConfig(draft_vocab_size=args.draft_vocab), tcfg), target
+            TrainJob(target_cfg, DraftModelConfig(draft_vocab_size=args.draft_vocab, init="random"), tcfg),
+            target,
         )
         train_s = time.perf_counter() - t1
         print(f"{name}: {steps} steps, {tokens} tokens, {train_s:.0f} s -> {res.last_checkpoint}", flush=True)
