@@ -106,16 +106,9 @@ def steps_for_budget(store, loader: dict[str, Any], budget: int) -> tuple[int, i
 
 
 def main() -> None:
-    import hydra
+    from eyas.common import typed_command
 
-    from eyas.common import build_config, exit_on_config_error
-
-    @hydra.main(config_path="pkg://eyas.conf", config_name="bench_context", version_base="1.3")
-    @exit_on_config_error
-    def _app(cfg) -> None:
-        run(build_config(BenchContextConfig, cfg.bench_context, "bench_context"))
-
-    _app()
+    typed_command("bench_context", BenchContextConfig, run)
 
 
 def run(args: BenchContextConfig) -> dict[str, Any]:

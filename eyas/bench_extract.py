@@ -126,16 +126,9 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def main() -> None:
-    import hydra
+    from eyas.common import typed_command
 
-    from eyas.common import build_config, exit_on_config_error
-
-    @hydra.main(config_path="pkg://eyas.conf", config_name="bench_extract", version_base="1.3")
-    @exit_on_config_error
-    def _app(cfg) -> None:
-        run(build_config(BenchExtractConfig, cfg.bench_extract, "bench_extract"))
-
-    _app()
+    typed_command("bench_extract", BenchExtractConfig, run)
 
 
 def run(args: BenchExtractConfig, argv: list[str] | None = None) -> list[dict]:

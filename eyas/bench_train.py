@@ -280,16 +280,9 @@ def run(args: BenchTrainConfig) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    import hydra
+    from eyas.common import typed_command
 
-    from eyas.common import build_config, exit_on_config_error
-
-    @hydra.main(config_path="pkg://eyas.conf", config_name="bench_train", version_base="1.3")
-    @exit_on_config_error
-    def _app(cfg) -> None:
-        run(build_config(BenchTrainConfig, cfg.bench_train, "bench_train"))
-
-    _app()
+    typed_command("bench_train", BenchTrainConfig, run)
 
 
 def _write(args: BenchTrainConfig, results: list[dict[str, Any]]) -> None:

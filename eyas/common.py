@@ -466,6 +466,20 @@ def exit_on_config_error(app: Callable[[Any], T]) -> Callable[[Any], T]:
     return wrapped
 
 
+def typed_command(config_name: str, cls: type[T], run: Callable[[T], Any]) -> None:
+    """The Hydra app of a command whose config is one typed group named like its yaml (``conf/<config_name>.yaml``
+    holds ``<config_name>: {...}``): ``python -m eyas.<command> <config_name>.<field>=<value> ...`` builds ``cls``
+    with :func:`build_config` and calls ``run`` on it; a bad key or type ends it with one line."""
+    import hydra
+
+    @hydra.main(config_path="pkg://eyas.conf", config_name=config_name, version_base="1.3")
+    @exit_on_config_error
+    def _app(cfg: Any) -> None:
+        run(build_config(cls, cfg[config_name], config_name))
+
+    _app()
+
+
 def base_config(obj: Any, cls: type[T]) -> T:
     """``obj`` (an instance of a dataclass extending ``cls`` with more fields) as a plain ``cls``."""
     return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if f.init})
