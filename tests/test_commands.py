@@ -276,3 +276,31 @@ def test_bench_train_sweep_runs_through_hydra_with_children(monkeypatch, tmp_pat
         ("dense", 32, 7),
     ]
     assert all(r["fwd_bwd_ms"] > 0 for r in res["results"])
+
+
+def test_eyas_bench_passes_its_micro_benchmark_settings_as_overrides(tmp_path, monkeypatch):
+    """`eyas bench` runs the micro-benchmarks as `python -m <module> <its overrides> <module>.out=<json>`: the
+    conf/bench.yaml lists are valid overrides of their configs, and the JSON comes back."""
+    from eyas.bench import _run_json
+    from eyas.bench_extract import BenchExtractConfig
+    from eyas.bench_train import BenchTrainConfig
+
+    b = _compose("bench", []).bench
+    for cls, name, args in (
+        (BenchTrainConfig, "bench_train", b.train_bench_args),
+        (BenchExtractConfig, "bench_extract", b.extract_bench_args),
+    ):
+        build_config(
+            cls, _compose(name, list(args))[name], name
+        )  # every override names a field of the right type
+    monkeypatch.chdir(tmp_path)
+    res = _run_json(
+        [
+            "eyas.bench_train",
+            "bench_train.attention=[block]",
+            "bench_train.seq_len=[16]",
+            "bench_train.steps=1",
+        ],
+        tmp_path / "t.json",
+    )
+    assert [r["attention"] for r in res["results"]] == ["block"]
