@@ -304,3 +304,32 @@ def test_eyas_bench_passes_its_micro_benchmark_settings_as_overrides(tmp_path, m
         tmp_path / "t.json",
     )
     assert [r["attention"] for r in res["results"]] == ["block"]
+
+
+def test_the_yaml_lists_every_field_of_the_stage_configs():
+    """Every option of the eval, export, extract and target configs is spelled out in conf/ (so `eval.dtype=...`
+    and the like are plain overrides, not `+key=` additions, and nothing is left to a silent code default)."""
+    from dataclasses import fields
+
+    from eyas.data.extract import ExtractStage
+    from eyas.eval.engine import EngineServerConfig
+    from eyas.eval.profile import ProfileConfig
+    from eyas.eval.stage import EvalStageConfig
+    from eyas.serving.export import ExportStage
+    from eyas.serving.target import TargetConfig
+    from eyas.serving.tree import TreeConfig
+
+    cfg = _compose("config", [])
+    for cls, node in [
+        (EvalStageConfig, cfg.eval),
+        (ProfileConfig, cfg.eval.profile),
+        (EngineServerConfig, cfg.eval.server),
+        (TreeConfig, cfg.eval.tree),
+        (ExportStage, cfg.export),
+        (ExtractStage, cfg.extract),
+        (TargetConfig, cfg.target),
+    ]:
+        assert {f.name for f in fields(cls)} == set(node), cls.__name__
+    for name in ("demo", "bench"):
+        job = _jobs()["pipeline"][1](_compose(name, []))
+        assert job.eval.dtype == "auto" and job.eval.measure_best_k
