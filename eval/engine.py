@@ -477,6 +477,21 @@ def _get(url: str, timeout_s: float = 30.0) -> str:
         raise EngineError(f"GET {url} failed: {e}") from e
 
 
+def post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST ``body`` as JSON and parse the JSON answer; :class:`EngineError` quoting the server's error."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:2000]
+        raise EngineError(f"POST {url} failed with HTTP {e.code}: {detail}") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise EngineError(f"POST {url} failed: {e}") from e
+
+
 class EngineClient:
     """Requests and counters of one server (vLLM's OpenAI API, or SGLang's native ``/generate``)."""
 
