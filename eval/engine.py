@@ -60,7 +60,7 @@ class EngineError(RuntimeError):
 
 @dataclass
 class EngineServerConfig:
-    """How eyas starts an engine server (``eval.server``); unused with ``eval.server_url``."""
+    """How eyas starts an engine server (``eval.server``, ``extract.server``); unused with a ``server_url``."""
 
     python: str | None = None
     """The engine venv's interpreter; None: ``.venv-vllm/bin/python`` (``.venv-sglang`` for SGLang) under the
