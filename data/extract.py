@@ -20,6 +20,9 @@ Design decisions:
 - A writer thread serializes, hashes and fsyncs shard k while the target computes shard k + 1 (at most one shard
   in flight, so memory stays at two shards).
 - Listed shards that are missing or fail their size/header check on resume are re-extracted (same bytes).
+- Backends: ``extract.backend=transformers`` (eyas's own forward, above) or ``vllm`` (a serving engine computes
+  the states and eyas packs its per-request files into the same shards; :mod:`eyas.data.extract_engine`). Both
+  go through the same shard writer, manifest and resume logic; the manifest's ``run`` records the backend.
 - Test hook: ``EYAS_TEST_KILL_AT_SHARD=k`` makes the job SIGKILL itself half-way through writing shard k's temp
   file, so the kill/resume test is deterministic.
 """
@@ -54,6 +57,7 @@ from eyas.common import (
     load_job,
 )
 from eyas.data.corpora.readers import iter_jsonl
+from eyas.data.extract_engine import ENGINE_STATES_DIR
 from eyas.data.extract_ranks import PART_GLOB, Ranks, extract_ranks
 from eyas.data.store import (
     MANIFEST,
@@ -75,6 +79,7 @@ from eyas.data.store import (
     write_safetensors,
 )
 from eyas.data.types import Sample
+from eyas.eval.engine import EngineServerConfig
 from eyas.serving.target import TargetConfig
 
 log = logging.getLogger(__name__)
@@ -102,10 +107,29 @@ class ExtractConfig:
     """Show a tqdm progress bar."""
     rank_timeout_s: float = 86400.0
     """Data-parallel runs: how long a rank waits for the others (at the end, for the slowest one)."""
+    backend: str = "transformers"
+    """Who runs the target: ``transformers`` (eyas's own forward) or ``vllm`` (a vLLM server's
+    ``extract_hidden_states`` method; :mod:`eyas.data.extract_engine`)."""
+    server_url: str | None = None
+    """``backend=vllm``: a running server to use (None: eyas starts one from ``.venv-vllm`` and stops it)."""
+    server: EngineServerConfig = field(default_factory=EngineServerConfig)
+    """``backend=vllm``: how eyas starts the server (``python``, ``dtype``, ``max_model_len``, ``args``...)."""
+    concurrency: int = 4
+    """``backend=vllm``: requests in flight (the started server's ``--max-num-seqs``)."""
+    threads: int | None = None
+    """``backend=vllm`` on CPU: the started server's ``OMP_NUM_THREADS`` (None: vLLM's default)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.store, Mapping):
             self.store = build_config(StoreOptions, self.store, "extract.store")
+        if isinstance(self.server, Mapping):
+            self.server = build_config(EngineServerConfig, self.server, "extract.server")
+        if self.backend not in ("transformers", "vllm"):
+            raise ValueError(f"extract.backend must be 'transformers' or 'vllm', not {self.backend!r}")
+        if self.server_url and self.backend == "transformers":
+            raise ValueError("extract.server_url needs extract.backend=vllm")
+        if self.concurrency < 1:
+            raise ValueError(f"extract.concurrency must be >= 1, not {self.concurrency}")
         if self.shard_size < 1:
             raise ValueError(f"extract.shard_size must be >= 1, not {self.shard_size}")
         if self.max_batch_tokens < 1 or self.max_batch_rows < 1:
@@ -261,6 +285,23 @@ def compute_features(
     )
 
 
+def features_of(
+    target, samples: Sequence[Sample], codec: FeatureCodec, cfg: ExtractConfig, on_progress=None
+) -> FeatureBlock:
+    """Features of one shard's samples: an engine-backed target computes them itself
+    (:class:`eyas.data.extract_engine.EngineTarget`), a transformers target through :func:`compute_features`."""
+    if hasattr(target, "compute_features"):
+        return target.compute_features(samples, codec, on_progress=on_progress)
+    return compute_features(
+        target,
+        samples,
+        codec,
+        max_batch_tokens=cfg.max_batch_tokens,
+        max_batch_rows=cfg.max_batch_rows,
+        on_progress=on_progress,
+    )
+
+
 def inputs_fingerprint(samples: Iterable[Sample]) -> str:
     """sha256 over the samples' ids, token ids and loss masks (what a shard was made from)."""
     h = hashlib.sha256()
@@ -412,7 +453,11 @@ def _open_for_writing(out_dir: Path, fresh: Manifest) -> Manifest:
     stray = [
         p.name
         for p in out_dir.iterdir()
-        if not (p.name.endswith(".tmp") or p.name == ".lock" or p.name.startswith(WRITE_PROBE_PREFIX))
+        if not (
+            p.name.endswith(".tmp")
+            or p.name in (".lock", ENGINE_STATES_DIR)
+            or p.name.startswith(WRITE_PROBE_PREFIX)
+        )
     ]
     if stray:
         raise StoreConfigError(
@@ -448,13 +493,23 @@ def extract(
     samples = _Counted(chain([first], it), total)
     out_dir = ensure_out_dir(out_dir, "extract.out_dir")
     codec = codec_for(target, cfg.store)
+    run_settings = getattr(target, "run_settings", None) or {
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "max_batch_rows": cfg.max_batch_rows,
+    }
     fresh = Manifest(
         target=target.info.to_dict(),
         target_dtype=str(target.dtype).removeprefix("torch."),
         options=cfg.store.to_dict(),
         shard_size=cfg.shard_size,
-        run={"max_batch_tokens": cfg.max_batch_tokens, "max_batch_rows": cfg.max_batch_rows},
+        run=run_settings,
     )
+    if ranks.world > 1 and hasattr(target, "compute_features"):
+        raise ConfigError(
+            "extract.backend=vllm runs as one eyas process: give the engine several GPUs with its own parallelism "
+            "(extract.server.args='[--tensor-parallel-size,N]' or --data-parallel-size) instead of launching "
+            "eyas on several ranks"
+        )
     if ranks.world > 1:
         return extract_ranks(samples, target, out_dir, cfg, codec, fresh, ranks)
     lock = FileLock(str(out_dir / ".lock"))
@@ -522,14 +577,7 @@ def _extract_locked(
                 continue
             if k < listed and manifest.shards[k].inputs_sha256 != sha:
                 raise StoreConfigError(f"the input samples of shard {k} changed since {out_dir} was started")
-            block = compute_features(
-                target,
-                chunk,
-                codec,
-                max_batch_tokens=cfg.max_batch_tokens,
-                max_batch_rows=cfg.max_batch_rows,
-                on_progress=progress,
-            )
+            block = features_of(target, chunk, codec, cfg, on_progress=progress)
             writer.submit(k, block, sha)
         writer.wait()
     finally:
@@ -642,6 +690,12 @@ def run(job: ExtractJob, target=None) -> ExtractResult:
         )
     ranks = Ranks.from_env()
     target_cfg = job.target
+    if target is None and job.extract.backend == "vllm":
+        from eyas.data.extract_engine import engine_target
+
+        settings = job.extract.settings()
+        with engine_target(target_cfg, settings, job.extract.out_dir) as engine:
+            return extract(chain([first], samples), engine, job.extract.out_dir, settings, ranks)
     if ranks.world > 1 and target_cfg.device in ("auto", "cuda") and torch.cuda.is_available():
         target_cfg = replace(target_cfg, device=f"cuda:{ranks.local_rank}")  # one GPU per process
     target = target if target is not None else load_target(target_cfg)

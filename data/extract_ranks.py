@@ -184,7 +184,7 @@ def _extract(
         _open_for_writing,
         _ShardWriter,
         check_tokenizer,
-        compute_features,
+        features_of,
         inputs_fingerprint,
     )
 
@@ -262,14 +262,7 @@ def _extract(
                         bar.update(len(chunk))
                         continue
                     log.warning("re-extracting shard %d: %s", k, problem)
-                block = compute_features(
-                    target,
-                    chunk,
-                    codec,
-                    max_batch_tokens=cfg.max_batch_tokens,
-                    max_batch_rows=cfg.max_batch_rows,
-                    on_progress=progress,
-                )
+                block = features_of(target, chunk, codec, cfg, on_progress=progress)
                 writer.submit(k, block, sha)
             writer.wait()
         finally:

@@ -60,7 +60,7 @@ class EngineError(RuntimeError):
 
 @dataclass
 class EngineServerConfig:
-    """How eyas starts an engine server (``eval.server``); unused with ``eval.server_url``."""
+    """How eyas starts an engine server (``eval.server``, ``extract.server``); unused with a ``server_url``."""
 
     python: str | None = None
     """The engine venv's interpreter; None: ``.venv-vllm/bin/python`` (``.venv-sglang`` for SGLang) under the
@@ -475,6 +475,21 @@ def _get(url: str, timeout_s: float = 30.0) -> str:
             return r.read().decode(errors="replace")
     except (urllib.error.URLError, OSError) as e:
         raise EngineError(f"GET {url} failed: {e}") from e
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST ``body`` as JSON and parse the JSON answer; :class:`EngineError` quoting the server's error."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:2000]
+        raise EngineError(f"POST {url} failed with HTTP {e.code}: {detail}") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise EngineError(f"POST {url} failed: {e}") from e
 
 
 class EngineClient:

@@ -190,12 +190,17 @@ class TargetHead(nn.Module):
     @classmethod
     def from_model(cls, model: nn.Module) -> TargetHead:
         head = model.get_output_embeddings()
-        cfg = _text_config(model.config)
+        return cls.from_config(model.config, head.weight, getattr(head, "bias", None))
+
+    @classmethod
+    def from_config(cls, config, weight: torch.Tensor, bias: torch.Tensor | None = None) -> TargetHead:
+        """The head of a model with ``config`` from its projection weights (loaded without the model)."""
+        cfg = _text_config(config)
         softcap = getattr(cfg, "final_logit_softcapping", None)
         scale = getattr(cfg, "logit_scale", None)
         if getattr(cfg, "logits_scaling", None):
             scale = 1.0 / float(cfg.logits_scaling)
-        return cls(head.weight, getattr(head, "bias", None), softcap=softcap, scale=scale)
+        return cls(weight, bias, softcap=softcap, scale=scale)
 
     def forward(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary, or over ``rows`` (e.g. the draft vocabulary) only."""
