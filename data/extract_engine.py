@@ -59,6 +59,7 @@ from eyas.eval.engine import (
     engine_python,
     free_port,
     post_json,
+    vllm_server_command,
 )
 from eyas.serving.target import (
     TargetConfig,
@@ -124,31 +125,19 @@ def vllm_extract_command(
     import json
 
     spec, kv = vllm_extract_configs(layer_ids, states_dir, cuda)
-    return [
+    return vllm_server_command(
         python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(target_dir),
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        cfg.host,
-        "--port",
-        str(port),
-        "--dtype",
-        cfg.dtype,
-        "--max-model-len",
-        str(cfg.max_model_len),
-        "--max-num-seqs",
-        str(int(max_num_seqs)),
+        target_dir,
+        port,
+        cfg,
         "--no-enable-prefix-caching",
         "--speculative-config",
         json.dumps(spec),
         "--kv-transfer-config",
         json.dumps(kv),
-        *cfg.args,
-    ]
+        served_name=SERVED_NAME,
+        max_num_seqs=max_num_seqs,
+    )
 
 
 # -- reading the engine's files ------------------------------------------------------------------------------------

