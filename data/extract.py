@@ -512,6 +512,15 @@ def extract(
         )
     if ranks.world > 1:
         return extract_ranks(samples, target, out_dir, cfg, codec, fresh, ranks)
+    lock = acquire_store_lock(out_dir)
+    try:
+        return _extract_locked(samples, target, out_dir, cfg, codec, fresh)
+    finally:
+        lock.release()
+
+
+def acquire_store_lock(out_dir: Path) -> FileLock:
+    """The store's writer lock, held (released by the caller): one extraction writes into a directory at a time."""
     lock = FileLock(str(out_dir / ".lock"))
     try:
         lock.acquire(timeout=0)
@@ -519,10 +528,7 @@ def extract(
         raise StoreError(
             f"another extraction is writing to {out_dir} (lock {out_dir / '.lock'} is held)"
         ) from e
-    try:
-        return _extract_locked(samples, target, out_dir, cfg, codec, fresh)
-    finally:
-        lock.release()
+    return lock
 
 
 def _extract_locked(

@@ -29,7 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from filelock import FileLock, Timeout
+from filelock import FileLock
 from tqdm.auto import tqdm
 
 from eyas.common import atomic_write_bytes
@@ -183,23 +183,19 @@ def _extract(
         _chunks,
         _open_for_writing,
         _ShardWriter,
+        acquire_store_lock,
         check_tokenizer,
         features_of,
         inputs_fingerprint,
     )
 
     t0 = time.perf_counter()
-    lock = FileLock(str(out_dir / ".lock")) if ranks.rank == 0 else None
+    lock: FileLock | None = None
     failure: BaseException | None = None
     error = None
-    if lock is not None:  # rank 0 opens the store before any rank writes into it
+    if ranks.rank == 0:  # rank 0 opens the store before any rank writes into it
         try:
-            try:
-                lock.acquire(timeout=0)
-            except Timeout as e:
-                raise StoreError(
-                    f"another extraction is writing to {out_dir} (lock {out_dir / '.lock'} is held)"
-                ) from e
+            lock = acquire_store_lock(out_dir)
             for tmp in out_dir.glob("*.tmp"):
                 tmp.unlink()  # a killed job's partial shard or manifest: never listed, never read
             _open_for_writing(out_dir, fresh)
@@ -291,7 +287,8 @@ def _extract(
             if failure is None:
                 failure = e
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
     outcome = group.broadcast(outcome)
     if failure is not None:
         raise failure
