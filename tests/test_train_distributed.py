@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 from eyas.train.checkpoint import latest_checkpoint, load_weights
 
-from .launch import launch_two_nodes, needs_accelerate, needs_deepspeed
+from .launch import free_port, launch_two_nodes, needs_accelerate, needs_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.distributed, needs_accelerate]
@@ -45,13 +44,8 @@ def _overrides(tiny_target_dir: Path, out: Path, grad_accum: int) -> list[str]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(config: str, processes: int, overrides: list[str]) -> None:
+def _accelerate_run(config: str, processes: int, overrides: list[str]) -> subprocess.CompletedProcess:
+    """``accelerate launch -m eyas.train`` with ``conf/accelerate/<config>.yaml`` on this machine; its result."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     for attempt in range(2):  # another job on this machine may take the free port between probe and bind
         cmd = [
@@ -65,7 +59,7 @@ def _launch(config: str, processes: int, overrides: list[str]) -> None:
             "--num_cpu_threads_per_process",
             "1",
             "--main_process_port",
-            str(_free_port()),
+            str(free_port()),
             "-m",
             "eyas.train",
             *overrides,
@@ -73,6 +67,11 @@ def _launch(config: str, processes: int, overrides: list[str]) -> None:
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         if r.returncode == 0 or "address already in use" not in (r.stdout + r.stderr).lower() or attempt:
             break
+    return r
+
+
+def _launch(config: str, processes: int, overrides: list[str]) -> None:
+    r = _accelerate_run(config, processes, overrides)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
 
 
