@@ -313,6 +313,21 @@ def inputs_fingerprint(samples: Iterable[Sample]) -> str:
     return h.hexdigest()
 
 
+def shard_fingerprint(chunk: list[Sample], k: int, target, old: ShardEntry | None, out_dir: Path) -> str:
+    """The inputs fingerprint of shard ``k`` (:func:`inputs_fingerprint`), after checking every sample was tokenized
+    by ``target``'s tokenizer and that ``old``, the shard entry a store already holds, was made from these samples."""
+    for s in chunk:
+        check_tokenizer(s, target.info.tokenizer_hash)
+    sha = inputs_fingerprint(chunk)
+    if old is not None and old.inputs_sha256 != sha:
+        raise StoreConfigError(
+            f"the input samples of shard {k} ({old.file}) differ from those it was extracted from (first sample "
+            f"now {chunk[0].id!r}): the input changed since the store at {out_dir} was started. Use a new "
+            "extract.out_dir for new data"
+        )
+    return sha
+
+
 def codec_for(target, options: StoreOptions) -> FeatureCodec:
     info = target.info
     return FeatureCodec(
@@ -569,20 +584,10 @@ def _extract_locked(
     try:
         for k, chunk in enumerate(_chunks(samples, cfg.shard_size)):
             num_chunks = k + 1
-            for s in chunk:
-                check_tokenizer(s, target.info.tokenizer_hash)
-            sha = inputs_fingerprint(chunk)
+            sha = shard_fingerprint(chunk, k, target, manifest.shards[k] if k < listed else None, out_dir)
             if k < listed and k not in redo:
-                if manifest.shards[k].inputs_sha256 != sha:
-                    raise StoreConfigError(
-                        f"the input samples of shard {k} ({manifest.shards[k].file}) differ from those it was "
-                        f"extracted from (first sample now {chunk[0].id!r}): the input changed since the store at "
-                        f"{out_dir} was started. Use a new extract.out_dir for new data"
-                    )
                 bar.update(len(chunk))
                 continue
-            if k < listed and manifest.shards[k].inputs_sha256 != sha:
-                raise StoreConfigError(f"the input samples of shard {k} changed since {out_dir} was started")
             block = features_of(target, chunk, codec, cfg, on_progress=progress)
             writer.submit(k, block, sha)
         writer.wait()

@@ -184,9 +184,8 @@ def _extract(
         _open_for_writing,
         _ShardWriter,
         acquire_store_lock,
-        check_tokenizer,
         features_of,
-        inputs_fingerprint,
+        shard_fingerprint,
     )
 
     t0 = time.perf_counter()
@@ -240,16 +239,8 @@ def _extract(
                 report.num_chunks = k + 1
                 if not ranks.owns(k):
                     continue
-                for s in chunk:
-                    check_tokenizer(s, target.info.tokenizer_hash)
-                sha = inputs_fingerprint(chunk)
                 old = known.get(k)
-                if old is not None and old.inputs_sha256 != sha:
-                    raise StoreConfigError(
-                        f"the input samples of shard {k} ({old.file}) differ from those it was extracted from "
-                        f"(first sample now {chunk[0].id!r}): the input changed since the store at {out_dir} was "
-                        "started. Use a new extract.out_dir for new data"
-                    )
+                sha = shard_fingerprint(chunk, k, target, old, out_dir)
                 if old is not None:
                     problem = check_shard_file(out_dir, k, old, full=cfg.verify_resume == "full")
                     if problem is None:
