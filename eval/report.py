@@ -177,10 +177,13 @@ ENGINE_NOTE = (
 )
 
 GREEDY_MATCH_NOTE = (
-    "greedy match = share of prompts whose output is token for token the plain-decoding (`none`) output. In fp32 "
-    "it is always 100% (the loop is lossless: tests/test_loop.py); in bf16 a verify forward over several tokens "
-    "rounds differently from a one-token forward, so at a near-tie the target's own argmax can flip and the text "
-    "take another (equally greedy) path."
+    "greedy match = share of prompts whose output is token for token the plain-decoding (`none`) output. With "
+    "row-exact attention (the CPU default: bf16, see the numerics line under Run facts) every chain, prompt lookup "
+    "and plain decoding score each position bit for bit as a one-token forward does, so their match must be 100% "
+    "and a miss is a bug; a tree's side branches sit at other cache slots, so at a near-tie their rows can round "
+    "differently. fp32 is near-exact (differences ~1e-5 in the logits). In bf16 with stock attention (GPU), a "
+    "verify forward over several tokens rounds differently from a one-token forward, so at a near-tie the target's "
+    "own argmax can flip and the text take another (equally greedy) path."
 )
 
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -19,9 +20,12 @@ from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, de
 from eyas.eval.engine import ENGINES, EngineName, EngineServerConfig, EngineSetResult
 from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
 from eyas.eval.recommend import ChainLengthRecommendation, recommend_chain_length
-from eyas.serving.target import Target, TargetConfig
+from eyas.serving.exact_attention import EXACT, MAX_ROWS, probe
+from eyas.serving.target import Target, TargetConfig, cpu_has_bf16
 from eyas.serving.tree import TreeConfig
 from eyas.serving.verify import SamplingConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,10 +56,13 @@ class EvalStageConfig:
     threads: int | None = None
     """torch CPU threads during evaluation, and the CPU engine server's OMP_NUM_THREADS (None: leave as is)."""
     dtype: str = "auto"
-    """Target dtype of the evaluation: ``auto`` is float32 on CPU (decode is memory-bound there, so it costs
-    little, and greedy speculative output is then token-for-token plain decoding's: a mismatch is a bug) and the
-    loaded target's dtype elsewhere (bf16 on GPU, where near-tie divergence is expected); or ``bfloat16``,
-    ``float16``, ``float32``, ``target`` (the loaded target's, whatever it is)."""
+    """Target numerics of the evaluation. ``auto`` on CPU: bfloat16 with row-exact attention
+    (:mod:`eyas.serving.exact_attention`) where the CPU has bf16 units and a probe finds every verify row bitwise
+    equal to one-token decoding, so greedy chain output must equal plain decoding's token for token (a mismatch
+    is a bug) while a multi-token verify costs what it costs in serving (7 tokens ~1.1x one; in fp32 on a small
+    CPU ~1.9x, compute-bound); float32 otherwise. ``auto`` elsewhere: the loaded target's dtype and attention
+    (bf16 on GPU, where near-tie divergence is expected). Or ``bfloat16``, ``float16``, ``float32``, ``target``
+    (the loaded target's, whatever it is), with the target's attention."""
     checkpoint: str | None = None
     """``python -m eyas.eval``: the drafter to evaluate, normally the exported directory (SGLang/vLLM format) a user
     ships; any directory :func:`serving.drafters.load_drafter` reads. The pipeline sets its own."""
@@ -103,10 +110,31 @@ class EvalStageConfig:
             raise ValueError(f"unknown eval methods {bad}; known: {sorted(known)}")
 
     def resolve_dtype(self, target: Target) -> torch.dtype:
-        """The dtype to evaluate ``target`` in (see ``dtype``)."""
+        """The dtype to evaluate ``target`` in, before :meth:`numerics`' exactness probe (see ``dtype``)."""
         if self.dtype == "target" or (self.dtype == "auto" and target.device.type != "cpu"):
             return target.dtype
-        return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
+        if self.dtype == "auto":
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        return getattr(torch, self.dtype)
+
+    def numerics(self, target: Target) -> tuple[Target, str]:
+        """The target to evaluate (see ``dtype``) and one line saying which numerics were chosen and why."""
+        dtype = self.resolve_dtype(target)
+        if self.dtype != "auto" or target.device.type != "cpu":
+            chosen = target.with_dtype(dtype)
+            return chosen, f"{dtype} with {chosen.attention} attention"
+        if dtype != torch.bfloat16:
+            return target.with_dtype(torch.float32), "torch.float32 (this CPU has no bf16 units)"
+        exact = target.with_dtype(torch.bfloat16, EXACT)
+        sizes = sorted({2, self.chain_length + 1, min(self.tree.total_tokens + 1, MAX_ROWS)})
+        problem = probe(exact, sizes)
+        if problem is None:
+            return exact, (
+                f"torch.bfloat16 with row-exact attention (probe: verify forwards of {sizes} tokens give logits "
+                "bitwise equal to one-token decoding)"
+            )
+        log.warning("bf16 row-exact probe failed, evaluating in float32: %s", problem)
+        return target.with_dtype(torch.float32), f"torch.float32 (the bf16 row-exact probe failed: {problem})"
 
     def method_specs(self) -> list[MethodSpec]:
         return [m for m in default_methods(self.chain_length, self.tree) if m.name in self.methods]
@@ -159,8 +187,10 @@ def run(
         torch.set_num_threads(job.threads)
     if target is None and not engine_only:
         target = load_target(job.target)
+    numerics = None
     if target is not None:
-        target = target.with_dtype(ecfg.resolve_dtype(target))
+        target, numerics = ecfg.numerics(target)
+        log.info("evaluation numerics: %s", numerics)
     export_dir = Path(ecfg.checkpoint) if ecfg.checkpoint else None
     t0 = time.perf_counter()
     out = (
@@ -172,6 +202,7 @@ def run(
                 "eval": {**asdict(ecfg), "checkpoint": None},
                 "target": target.info.to_dict() if target is not None else asdict(job.target),
                 "dtype": str(target.dtype) if target is not None else None,
+                "attention": target.attention if target is not None else None,
             }
         )
     )
@@ -213,7 +244,11 @@ def run(
         out,
         acc,
         prof,
-        extra={**(extra or {}), **({"recommended_k": chain_k.to_dict()} if chain_k else {})},
+        extra={
+            **(extra or {}),
+            **({"numerics": numerics} if numerics else {}),
+            **({"recommended_k": chain_k.to_dict()} if chain_k else {}),
+        },
         sections={"Chain length to serve": chain_k.markdown()} if chain_k else None,
         title=title,
         chain_length=ecfg.chain_length,

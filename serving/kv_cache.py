@@ -8,6 +8,8 @@ Design decisions:
 - The buffers store whatever the attention module hands to ``Cache.update``: full keys/values for MHA/GQA
   models, the compressed latents for transformers' MLA implementation (DeepSeek-V3, Kimi-K2). No
   per-architecture cache surgery is needed.
+- ``full_reads`` makes every forward read the whole capacity instead of ``[0, kv_len)``: row-exact attention
+  (:mod:`eyas.serving.exact_attention`) needs the same key length in every forward.
 - The same class serves the target (as a transformers ``Cache``) and the drafter (which calls
   :meth:`SlotCache.update` directly).
 """
@@ -47,6 +49,8 @@ class _SlotLayer(CacheLayerMixin):
             raise ValueError(f"{slots.shape[0]} write slots for {key_states.shape[-2]} new tokens")
         self.keys.index_copy_(2, slots, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, slots, value_states.to(self.values.dtype))
+        if self.owner.full_reads:
+            return self.keys, self.values
         kv_len = self.owner._kv_len
         return self.keys[:, :, :kv_len], self.values[:, :, :kv_len]
 
@@ -77,6 +81,7 @@ class SlotCache(Cache):
         self.length = 0  # committed tokens: slots [0, length) hold the accepted context
         self._write_slots: torch.Tensor | None = None
         self._kv_len = 0
+        self.full_reads = False  # hand attention every slot (the caller's mask covers the unwritten ones)
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
 
     # transformers asks for this when it builds masks or positions itself; eyas always passes both.

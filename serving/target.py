@@ -10,7 +10,9 @@ Design decisions:
   increasing and at most L-2 (:data:`AUX_RULE`), checked wherever ids enter (configs, targets, drafters, export).
 - Custom masks: the loop passes 4-D bool masks, which transformers hands to the attention as they are. ``sdpa``
   reads bool masks; ``eager`` adds the mask to its scores, so they are converted to additive float masks for it;
-  other backends (flash, flex) would ignore them and are refused.
+  other backends (flash, flex) would ignore them and are refused. ``exact`` (:mod:`eyas.serving.exact_attention`)
+  computes decode and verify attention in fixed-shape blocks over the cache's whole capacity, so a verified
+  row is bitwise the one-token forward's; the mask is padded to the capacity here.
 - Logits are computed from the final hidden state with the target's own head and logit post-processing
   (``final_logit_softcapping``, ``logit_scale``, ``logits_scaling``), only at the positions requested. The same
   :class:`TargetHead` lets the trainer recompute logits from stored hidden states.
@@ -29,15 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eyas.common import ConfigError
+from eyas.serving.exact_attention import EXACT
 from eyas.serving.kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", EXACT)
 AUX_RULE = (
     "aux layer ids must be strictly increasing and lie in [0, L-2] for an L-layer target: SGLang and vLLM "
     "capture id i as the input of layer i + 1 (so L-1 is never captured), in layer order (fc's input blocks "
@@ -65,8 +69,10 @@ class TargetConfig:
     trust_remote_code: bool = False
     """Passed to transformers for models whose code lives on the hub."""
     attn_implementation: str = "sdpa"
-    """transformers attention backend: ``sdpa`` or ``eager``, the two that take the custom 4-D masks prefill and
-    tree verify pass (eager gets them as additive float masks); flash and flex kernels would ignore them."""
+    """transformers attention backend: ``sdpa``, ``eager`` or ``exact``, the ones that take the custom 4-D masks
+    prefill and tree verify pass (eager gets them as additive float masks); flash and flex kernels would ignore
+    them. ``exact`` (:mod:`eyas.serving.exact_attention`) makes each verified row bitwise equal to one-token
+    decoding, so greedy speculative output equals plain decoding's in bf16 too."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -260,6 +266,8 @@ class Target:
             )
         # eager attention adds the mask to the scores: a bool mask would add 0/1 and mask nothing
         self._additive_masks = attn == "eager"
+        self.attention = attn
+        self._exact = attn == EXACT
         self.base = model.get_decoder()
         self.head = TargetHead.from_model(model)
         self.info = TargetInfo(
@@ -294,16 +302,21 @@ class Target:
     def vocab_size(self) -> int:
         return self.info.vocab_size
 
-    def with_dtype(self, dtype: torch.dtype) -> Target:
-        """This target in ``dtype`` (itself when it already is): a copy of the model, so the original stays as
-        it was for the stages that share it."""
-        if dtype == self.dtype:
+    def with_dtype(self, dtype: torch.dtype, attention: str | None = None) -> Target:
+        """This target in ``dtype`` and with the ``attention`` implementation (None: this one's); itself when
+        nothing changes, else a copy of the model, so the original stays as it was for the stages that share it."""
+        attention = attention or self.attention
+        if attention not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTN_IMPLEMENTATIONS}, not {attention!r}")
+        if dtype == self.dtype and attention == self.attention:
             return self
         import copy
 
         model = copy.deepcopy(self.model)
         for layer in decoder_layers(model):  # the copied hooks would capture into this target
             layer._forward_hooks.clear()
+        if attention != self.attention:
+            _set_attention(model, attention)
         return Target(
             model.to(dtype),
             self.tokenizer,
@@ -349,11 +362,17 @@ class Target:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
         mask: Any = attention_mask
+        exact = self._exact and cache is not None and attention_mask is not None and attention_mask.dim() == 4
+        if exact:  # same key length in every forward: the cache's whole capacity, unwritten slots masked
+            attention_mask = F.pad(attention_mask, (0, cache.max_len - attention_mask.shape[-1]), value=False)
+            mask = attention_mask
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = self._sliding_masks(attention_mask, position_ids) if self._sliding else attention_mask
             if self._additive_masks:
                 mask = _additive(mask, self.dtype)
         self._captured.clear()
+        if cache is not None:
+            cache.full_reads = exact
         try:
             out = self.base(
                 input_ids=input_ids,
@@ -365,6 +384,8 @@ class Target:
             aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
         finally:
             self._captured.clear()
+            if cache is not None:
+                cache.full_reads = False
         hidden = out.last_hidden_state
         out_logits = None
         if isinstance(logits, torch.Tensor):
@@ -384,6 +405,15 @@ class Target:
         q_pos = position_ids[:, None, :, None]  # [B, 1, T, 1]
         sliding = mask & (kv_pos[None, None, None, :] > q_pos - window)
         return {"full_attention": mask, "sliding_attention": sliding}
+
+
+def _set_attention(model: nn.Module, name: str) -> None:
+    """Switch a loaded model's attention implementation (every sub-config that names one)."""
+    try:
+        model.set_attn_implementation(name)
+    except (AttributeError, ValueError):
+        for cfg in (model.config, *(getattr(model.config, k) for k in ("text_config",) if hasattr(model.config, k))):
+            cfg._attn_implementation = name
 
 
 def _additive(mask, dtype: torch.dtype):
@@ -412,15 +442,16 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
         kwargs["revision"] = cfg.revision
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
-        )
+        load_attn = "sdpa" if cfg.attn_implementation == EXACT else cfg.attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=load_attn, **kwargs)
     except OSError as e:
         raise FileNotFoundError(
             f"could not load target {cfg.path!r}: {e}. Give a local directory, a .gguf file, or a hub id "
             "reachable from this machine (set HF_HUB_OFFLINE=1 to use only the local hub cache)."
         ) from e
     model.to(device)
+    if cfg.attn_implementation == EXACT:
+        _set_attention(model, EXACT)
     log.info("target %s loaded: %s on %s in %s", name, type(model).__name__, device, dtype)
     return Target(model, tokenizer, name=name, revision=cfg.revision, aux_layers=cfg.aux_layers)
 

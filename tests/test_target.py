@@ -107,9 +107,9 @@ def test_commit_keeps_written_rows_or_a_tree_path_and_refuses_unwritten_ones():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_eager_attention_obeys_the_custom_masks_as_sdpa_does(arch):
+def test_eager_and_exact_attention_obey_the_custom_masks_as_sdpa_does(arch):
     """Prefill (causal) and tree verify (prefix + ancestors only) through the slot cache give the same aux states
-    and logits with eager attention as with sdpa, and eager speculative decoding equals plain greedy."""
+    and logits with eager and exact attention as with sdpa, and speculative decoding equals plain greedy."""
     from eyas.serving.loop import generate, prefill, tree_forward
     from eyas.serving.proposers import Eagle3Proposer
     from eyas.serving.tree import DraftTree, TreeConfig
@@ -122,13 +122,14 @@ def test_eager_attention_obeys_the_custom_masks_as_sdpa_does(arch):
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3])  # siblings at every depth: they must not see each other
     tree = DraftTree.from_parents(torch.randint(3, 256, (n,), generator=g), parents)
     outs = {}
-    for impl in ("sdpa", "eager"):
+    for impl in ("sdpa", "eager", "exact"):
         target = make_tiny_target(arch, attn_implementation=impl)
         cache = target.new_cache(64)
         outs[impl] = (prefill(target, cache, prompt), tree_forward(target, cache, tree))
-    for sdpa, eager in zip(outs["sdpa"], outs["eager"]):
-        torch.testing.assert_close(eager.aux, sdpa.aux, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(eager.logits, sdpa.logits, rtol=1e-5, atol=1e-5)
+    for impl in ("eager", "exact"):
+        for sdpa, other in zip(outs["sdpa"], outs[impl]):
+            torch.testing.assert_close(other.aux, sdpa.aux, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(other.logits, sdpa.logits, rtol=1e-5, atol=1e-5)
 
     ref = plain_greedy(target, prompt, 12, set())
     tree_cfg = TreeConfig(topk=3, depth=3, total_tokens=8)
@@ -143,7 +144,7 @@ def test_eager_attention_obeys_the_custom_masks_as_sdpa_does(arch):
 def test_attention_backends_that_ignore_custom_masks_are_refused():
     from eyas.serving.target import TargetConfig
 
-    with pytest.raises(ValueError, match=r"attn_implementation must be one of \('sdpa', 'eager'\)"):
+    with pytest.raises(ValueError, match=r"attn_implementation must be one of \('sdpa', 'eager', 'exact'\)"):
         TargetConfig(attn_implementation="flash_attention_2")
     model = tiny_model_with_backend("flex_attention")
     from eyas.serving.target import target_from_model
@@ -174,12 +175,25 @@ def test_a_target_in_another_dtype_is_a_copy_with_its_own_aux_capture(tiny_targe
     assert not bf16._captured and not fp32._captured
 
 
-def test_eval_runs_in_fp32_on_cpu_unless_told_otherwise(tiny_target):
+def test_eval_numerics_on_cpu_bf16_exact_where_the_probe_passes_else_fp32(tiny_target, monkeypatch):
+    import eyas.eval.stage as stage
     from eyas.eval.stage import EvalStageConfig
 
     t = tiny_target("llama").with_dtype(torch.bfloat16)
     sets = [{"name": "p", "source": "builtin:predictable", "n": 1}]
-    assert EvalStageConfig(prompt_sets=sets).resolve_dtype(t) == torch.float32
-    assert EvalStageConfig(prompt_sets=sets, dtype="target").resolve_dtype(t) == torch.bfloat16
+    auto = EvalStageConfig(prompt_sets=sets)
+    monkeypatch.setattr(stage, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(stage, "probe", lambda target, sizes: None)
+    chosen, line = auto.numerics(t)
+    assert (chosen.dtype, chosen.attention) == (torch.bfloat16, "exact") and "probe" in line
+    assert t.attention == "sdpa"  # the shared target is left as it was
+    monkeypatch.setattr(stage, "probe", lambda target, sizes: "row 3 differs")
+    chosen, line = auto.numerics(t)
+    assert (chosen.dtype, chosen.attention) == (torch.float32, "sdpa") and "row 3 differs" in line
+    monkeypatch.setattr(stage, "cpu_has_bf16", lambda: False)
+    assert auto.numerics(t)[0].dtype == torch.float32
+    chosen, _ = EvalStageConfig(prompt_sets=sets, dtype="target").numerics(t)
+    assert chosen is t
+    assert EvalStageConfig(prompt_sets=sets, dtype="float32").numerics(t)[0].attention == "sdpa"
     with pytest.raises(ValueError, match="eval.dtype must be"):
         EvalStageConfig(prompt_sets=sets, dtype="fp8")
