@@ -239,6 +239,11 @@ def test_topk_teacher_renormalises_inside_the_draft_vocabulary():
     assert t.in_vocab.tolist() == [True, False, False]  # argmax 2 and 4 are outside; row 2 has no mass at all
     lab = build_teacher(batch, maps, form="topk", oov_rule="label")  # labels 5, 2, 9
     assert lab.in_vocab.tolist() == [True, False, False]
+    sharp = build_teacher(batch, maps, form="topk", oov_rule="teacher", temperature=0.5)  # p ** 2, renormalised
+    expected[0, 1], expected[0, 3] = 0.25 / 0.26, 0.01 / 0.26
+    torch.testing.assert_close(sharp.probs[0], expected[0])
+    assert sharp.target_argmax.tolist() == t.target_argmax.tolist()
+    assert sharp.in_vocab.tolist() == t.in_vocab.tolist()
 
 
 def test_simulated_acceptance_formulas():
@@ -305,3 +310,14 @@ def test_label_rule_counts_an_out_of_vocabulary_target_argmax_as_a_miss(form):
     assert out.chain.counted.sum() > 0 and out.count.sum() > 0  # rows are counted and carry loss
     assert out.chain.hits.sum() == 0 and out.chain.correct.sum() == 0 and out.correct.sum() == 0
     assert simulated_acceptance(out.chain).tau_chain == 1.0
+
+
+def test_teacher_temperature_sharpens_the_hidden_teacher_and_keeps_its_argmax():
+    batch, head = _packed_batch()
+    maps = VocabMaps.from_draft_ids(DRAFT, V)
+    plain = build_teacher(batch, maps, form="hidden", head=head)
+    sharp = build_teacher(batch, maps, form="hidden", head=head, temperature=0.5)
+    logits = head(batch.target_hidden[plain.row_b, plain.row_p])[:, DRAFT]
+    torch.testing.assert_close(sharp.probs, torch.softmax(logits / 0.5, dim=-1))
+    assert torch.equal(sharp.draft_argmax, plain.draft_argmax) and torch.equal(sharp.in_vocab, plain.in_vocab)
+    assert (sharp.probs.max(-1).values >= plain.probs.max(-1).values - 1e-6).all()

@@ -181,6 +181,10 @@ class TrainConfig:
     """Target distribution to distil from: ``hidden`` (stored final hidden state through the frozen target head,
     draft rows only), ``topk`` (stored top-k log-probs mapped into the draft vocabulary), ``auto`` (what the batch
     carries, hidden first)."""
+    teacher_temperature: float = 1.0
+    """The teacher is the target's distribution at this temperature (``p ** (1 / T)``, renormalised over the draft
+    vocabulary): below 1 it leans towards the target's argmax, which is all greedy acceptance scores; its argmax,
+    the acceptance metrics and the out-of-vocabulary rule do not change."""
     oov_rule: str = "teacher"
     """Which rows are dropped as out of the draft vocabulary: ``teacher`` (the target's argmax over the full
     vocabulary is not a draft token; exact, costs one full-vocabulary head pass per supervised token for
@@ -241,6 +245,8 @@ class TrainConfig:
             raise ValueError(f"train.step_decay must be in (0, 1], not {self.step_decay}")
         if self.teacher not in TEACHERS:
             raise ValueError(f"train.teacher must be one of {TEACHERS}, not {self.teacher!r}")
+        if not self.teacher_temperature > 0:
+            raise ValueError(f"train.teacher_temperature must be > 0, not {self.teacher_temperature}")
         if self.oov_rule not in OOV_RULES:
             raise ValueError(f"train.oov_rule must be one of {OOV_RULES}, not {self.oov_rule!r}")
         if self.precision not in PRECISIONS:

@@ -393,6 +393,7 @@ def fit(
         maps=maps,
         form=cfg.teacher,
         oov_rule=cfg.oov_rule,
+        temperature=cfg.teacher_temperature,
         head=full_head,  # the OOV rule teacher, and the acceptance metrics of either rule
         draft_rows_head=draft_head(full_head, maps)
         if full_head is not None and cfg.oov_rule == "label"

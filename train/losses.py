@@ -139,6 +139,7 @@ def build_teacher(
     head: TargetHead | None = None,
     draft_rows_head: TargetHead | None = None,
     keep_oov: bool = True,
+    temperature: float = 1.0,
 ) -> Teacher:
     """The teacher table of ``batch`` (see the module docstring).
 
@@ -186,12 +187,14 @@ def build_teacher(
                 x[keep] for x in (row_b, row_p, label, target_argmax, draft_logits)
             )
             in_vocab = in_vocab[keep]
-        probs = torch.softmax(draft_logits, dim=-1)
+        probs = torch.softmax(draft_logits / temperature if temperature != 1.0 else draft_logits, dim=-1)
     else:
         lp = batch.topk_logprobs[row_b, row_p].float()  # [N, k] log-probs over the full vocabulary
         ids = batch.topk_ids[row_b, row_p].long()  # [N, k]
         target_argmax = ids.gather(1, lp.argmax(-1, keepdim=True))[:, 0]
         draft_ids = maps.target_to_draft[ids]  # [N, k], -1 outside
+        if temperature != 1.0:  # p ** (1/T), scaled so the largest is 1 (renormalised below)
+            lp = (lp - lp.amax(-1, keepdim=True)) / temperature
         p = lp.exp() * (draft_ids >= 0)
         mass = p.sum(-1)
         rule = maps.target_to_draft[target_argmax if oov_rule == "teacher" else label] >= 0
