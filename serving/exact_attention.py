@@ -53,7 +53,9 @@ def _additive_blocks(mask: torch.Tensor, s: int) -> torch.Tensor:
     full = F.pad(mask, (0, s - mask.shape[-1]), value=False)
     if pad:
         full = F.pad(full, (0, 0, 0, pad), value=True)
-    additive = torch.zeros(full.shape, dtype=torch.float32, device=mask.device).masked_fill_(~full, float("-inf"))
+    additive = torch.zeros(full.shape, dtype=torch.float32, device=mask.device).masked_fill_(
+        ~full, float("-inf")
+    )
     _prepared = (mask, additive)
     return additive
 
@@ -61,10 +63,19 @@ def _additive_blocks(mask: torch.Tensor, s: int) -> torch.Tensor:
 def exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface: query [B, H, M, D], key/value [B, KVH, S, D]; returns [B, M, H, Dv]."""
     b, h, m, d = query.shape
-    if m > MAX_ROWS or attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if (
+        m > MAX_ROWS
+        or attention_mask is None
+        or attention_mask.dim() != 4
+        or attention_mask.dtype != torch.bool
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise NotImplementedError("exact attention does not implement attention sinks; use attn_implementation=sdpa")
+        raise NotImplementedError(
+            "exact attention does not implement attention sinks; use attn_implementation=sdpa"
+        )
     kvh, s, dv = key.shape[1], key.shape[2], value.shape[-1]
     g = h // kvh
     scale = d**-0.5 if scaling is None else scaling

@@ -412,7 +412,10 @@ def _set_attention(model: nn.Module, name: str) -> None:
     try:
         model.set_attn_implementation(name)
     except (AttributeError, ValueError):
-        for cfg in (model.config, *(getattr(model.config, k) for k in ("text_config",) if hasattr(model.config, k))):
+        for cfg in (
+            model.config,
+            *(getattr(model.config, k) for k in ("text_config",) if hasattr(model.config, k)),
+        ):
             cfg._attn_implementation = name
 
 
@@ -443,7 +446,9 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         load_attn = "sdpa" if cfg.attn_implementation == EXACT else cfg.attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=load_attn, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=load_attn, **kwargs
+        )
     except OSError as e:
         raise FileNotFoundError(
             f"could not load target {cfg.path!r}: {e}. Give a local directory, a .gguf file, or a hub id "

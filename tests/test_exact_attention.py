@@ -15,7 +15,9 @@ from eyas.serving.tree import DraftTree, TreeConfig
 from .conftest import make_tiny_target
 from .test_loop import OracleProposer, make_drafter
 
-needs_bf16 = pytest.mark.skipif(not cpu_has_bf16(), reason="row exactness in bf16 is checked on CPUs with bf16 units")
+needs_bf16 = pytest.mark.skipif(
+    not cpu_has_bf16(), reason="row exactness in bf16 is checked on CPUs with bf16 units"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -82,13 +84,17 @@ def test_embedded_bf16_speculative_greedy_is_plain_decoding_token_for_token(embe
     tok = target.tokenizer
     msgs = [{"role": "user", "content": "Explain step by step why the sum of two odd numbers is even."}]
     prompt = torch.tensor(
-        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
     )
     n = 96
     ref = generate(target, NoProposer(), prompt, n, stop_on_eos=False).tokens
     drafter = make_drafter(target, seed=0, draft_vocab=2048)
     proposers = (
-        OracleProposer(ref, prompt.numel(), k=6, vocab=target.vocab_size),  # mostly right: long verified chains
+        OracleProposer(
+            ref, prompt.numel(), k=6, vocab=target.vocab_size
+        ),  # mostly right: long verified chains
         PromptLookupProposer(num_tokens=6),
         Eagle3Proposer(drafter, chain_length=6, tree=TreeConfig()),
     )

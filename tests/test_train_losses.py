@@ -239,7 +239,9 @@ def test_topk_teacher_renormalises_inside_the_draft_vocabulary():
     assert t.in_vocab.tolist() == [True, False, False]  # argmax 2 and 4 are outside; row 2 has no mass at all
     lab = build_teacher(batch, maps, form="topk", oov_rule="label")  # labels 5, 2, 9
     assert lab.in_vocab.tolist() == [True, False, False]
-    sharp = build_teacher(batch, maps, form="topk", oov_rule="teacher", temperature=0.5)  # p ** 2, renormalised
+    sharp = build_teacher(
+        batch, maps, form="topk", oov_rule="teacher", temperature=0.5
+    )  # p ** 2, renormalised
     expected[0, 1], expected[0, 3] = 0.25 / 0.26, 0.01 / 0.26
     torch.testing.assert_close(sharp.probs[0], expected[0])
     assert sharp.target_argmax.tolist() == t.target_argmax.tolist()
