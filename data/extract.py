@@ -79,7 +79,7 @@ from eyas.data.store import (
     write_safetensors,
 )
 from eyas.data.types import Sample
-from eyas.eval.engine import EngineServerConfig
+from eyas.serving.engines import EngineServerConfig
 from eyas.serving.target import TargetConfig
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from torch import nn
 
 from eyas.data.store import FeatureCodec
 from eyas.data.types import Sample
-from eyas.eval.engine import (
+from eyas.serving.engines import (
     REPO_ROOT,
     EngineError,
     EngineServer,
@@ -59,6 +59,7 @@ from eyas.eval.engine import (
     engine_python,
     free_port,
     post_json,
+    served_model_name,
     vllm_server_command,
 )
 from eyas.serving.target import (
@@ -438,9 +439,7 @@ class HiddenStatesClient:
 
     def served_model(self) -> str:
         if self.model is None:
-            from eyas.eval.engine import EngineClient
-
-            self.model = EngineClient(self.url, "vllm", timeout_s=30).model
+            self.model = served_model_name(self.url)
         return self.model
 
     def request(self, sample: Sample) -> str:

@@ -17,9 +17,10 @@ import torch
 
 from eyas.common import ConfigError, build_config, json_hash
 from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
-from eyas.eval.engine import ENGINES, EngineName, EngineServerConfig, EngineSetResult
+from eyas.eval.engine import EngineSetResult
 from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
 from eyas.eval.recommend import ChainLengthRecommendation, recommend_chain_length
+from eyas.serving.engines import ENGINES, EngineName, EngineServerConfig
 from eyas.serving.exact_attention import EXACT, MAX_ROWS, probe
 from eyas.serving.target import Target, TargetConfig, cpu_has_bf16
 from eyas.serving.tree import TreeConfig
@@ -301,7 +302,8 @@ def run_engine(
 ) -> list[EngineSetResult]:
     """The prompt sets inside ``eval.engine``: at ``eval.server_url``, else a server eyas starts with the target
     and ``export_dir`` as its drafter (log: ``<out>/engine_server.log``) and stops on every exit path."""
-    from eyas.eval.engine import EngineClient, engine_server, measure
+    from eyas.eval.engine import EngineClient, measure
+    from eyas.serving.engines import engine_server
     from eyas.serving.target import model_source
 
     ecfg = job.eval

@@ -312,9 +312,9 @@ def test_the_yaml_lists_every_field_of_the_stage_configs():
     from dataclasses import fields
 
     from eyas.data.extract import ExtractStage
-    from eyas.eval.engine import EngineServerConfig
     from eyas.eval.profile import ProfileConfig
     from eyas.eval.stage import EvalStageConfig
+    from eyas.serving.engines import EngineServerConfig
     from eyas.serving.export import ExportStage
     from eyas.serving.target import TargetConfig
     from eyas.serving.tree import TreeConfig

@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from eyas.eval.engine import (
-    EngineClient,
+from eyas.eval.engine import EngineClient, SpecCounters, measure, parse_prometheus
+from eyas.serving.engines import (
     EngineError,
     EngineServer,
     EngineServerConfig,
-    SpecCounters,
     engine_python,
     free_port,
     health_ok,
-    measure,
-    parse_prometheus,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -170,7 +167,7 @@ def test_dead_server_error_quotes_its_log(tmp_path):
 
 
 def test_log_tail_brings_the_root_cause_forward(tmp_path):
-    from eyas.eval.engine import log_tail
+    from eyas.serving.engines import log_tail
 
     lines = ["loading"] * 10 + ["(Worker) ValueError: no parameter named 'd2t'"] + ["shutting down"] * 50
     lines.append("RuntimeError: Engine core initialization failed. See root cause above.")
@@ -208,7 +205,7 @@ def test_sigterm_to_eyas_stops_the_server(tmp_path):
     child = textwrap.dedent(
         f"""\
         import sys, time
-        from eyas.eval.engine import EngineServer
+        from eyas.serving.engines import EngineServer
         s = EngineServer([sys.executable, {str(STUB)!r}, "--port", "{port}"], "http://127.0.0.1:{port}",
                          {str(tmp_path / "server.log")!r}, stop_grace_s=5).start()
         s.wait_ready(30)
@@ -231,7 +228,7 @@ def test_sigterm_to_eyas_stops_the_server(tmp_path):
 
 
 def test_missing_engine_venv_names_the_make_target(tmp_path, monkeypatch):
-    import eyas.eval.engine as engine
+    import eyas.serving.engines as engine
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(engine, "REPO_ROOT", tmp_path)
@@ -244,7 +241,7 @@ def test_missing_engine_venv_names_the_make_target(tmp_path, monkeypatch):
 def test_vllm_command_carries_the_export_as_eagle3_drafter():
     import json
 
-    from eyas.eval.engine import sglang_command, vllm_command
+    from eyas.serving.engines import sglang_command, vllm_command
 
     cfg = EngineServerConfig(args=["--enforce-eager"])
     cmd = vllm_command("py", "/t", "/e", 5, 8123, cfg)
@@ -312,9 +309,9 @@ def test_vllm_serves_an_eyas_export_start_prompts_counters_shutdown(tmp_path):
     import torch
     from transformers import AutoConfig
 
-    from eyas.eval.engine import engine_server
     from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
     from eyas.serving.embedded import ensure_embedded
+    from eyas.serving.engines import engine_server
     from eyas.serving.export import export
     from eyas.serving.target import default_aux_layers
 

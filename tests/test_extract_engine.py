@@ -33,7 +33,7 @@ from eyas.data.extract_engine import (
 from eyas.data.loader import FeatureLoader, LoaderConfig
 from eyas.data.store import FeatureStore, Manifest, StoreOptions
 from eyas.data.types import Sample
-from eyas.eval.engine import EngineServerConfig
+from eyas.serving.engines import EngineServerConfig
 from eyas.serving.target import TargetConfig, load_target
 
 from .test_store import random_samples
