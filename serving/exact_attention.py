@@ -41,18 +41,16 @@ MAX_ROWS = 64
 _prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # (the last bool mask, its additive block form)
 
 
-def _additive_blocks(mask: torch.Tensor, s: int) -> torch.Tensor:
-    """The loop's bool mask [B, 1|H, M, <=S] as an additive fp32 mask [B, 1|H, blocks * BLOCK, S]: columns padded
-    to the key length (masked), rows to whole blocks (padded rows see everything: no empty softmax). Every layer
-    of a forward gets the same mask, so the last one is kept."""
+def _additive_blocks(mask: torch.Tensor) -> torch.Tensor:
+    """The bool mask [B, 1|H, M, S] (:meth:`Target.forward` pads it to the cache's capacity S) as an additive fp32
+    mask [B, 1|H, blocks * BLOCK, S], rows padded to whole blocks (padded rows see everything: no empty softmax).
+    Every layer of a forward gets the same mask, so the last one is kept."""
     global _prepared
     if _prepared is not None and _prepared[0] is mask:
         return _prepared[1]
     m = mask.shape[-2]
     pad = -(-m // BLOCK) * BLOCK - m
-    full = F.pad(mask, (0, s - mask.shape[-1]), value=False)
-    if pad:
-        full = F.pad(full, (0, 0, 0, pad), value=True)
+    full = F.pad(mask, (0, 0, 0, pad), value=True) if pad else mask
     additive = torch.zeros(full.shape, dtype=torch.float32, device=mask.device).masked_fill_(
         ~full, float("-inf")
     )
@@ -80,7 +78,7 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
     g = h // kvh
     scale = d**-0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
-    mask = _additive_blocks(attention_mask, s)  # [B, 1|H, blocks * BLOCK, S]
+    mask = _additive_blocks(attention_mask)  # [B, 1|H, blocks * BLOCK, S]
     blocks = mask.shape[-2] // BLOCK
     mask = mask.view(mask.shape[0], 1, 1, -1, s) if mask.shape[1] == 1 else mask.view(b, kvh, g, -1, s)
     q = query.reshape(b, kvh, g, m, d)

@@ -267,7 +267,6 @@ class Target:
         # eager attention adds the mask to the scores: a bool mask would add 0/1 and mask nothing
         self._additive_masks = attn == "eager"
         self.attention = attn
-        self._exact = attn == EXACT
         self.base = model.get_decoder()
         self.head = TargetHead.from_model(model)
         self.info = TargetInfo(
@@ -316,7 +315,7 @@ class Target:
         for layer in decoder_layers(model):  # the copied hooks would capture into this target
             layer._forward_hooks.clear()
         if attention != self.attention:
-            _set_attention(model, attention)
+            model.set_attn_implementation(attention)
         return Target(
             model.to(dtype),
             self.tokenizer,
@@ -362,10 +361,14 @@ class Target:
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
         mask: Any = attention_mask
-        exact = self._exact and cache is not None and attention_mask is not None and attention_mask.dim() == 4
+        exact = (
+            self.attention == EXACT
+            and cache is not None
+            and attention_mask is not None
+            and attention_mask.dim() == 4
+        )
         if exact:  # same key length in every forward: the cache's whole capacity, unwritten slots masked
             attention_mask = F.pad(attention_mask, (0, cache.max_len - attention_mask.shape[-1]), value=False)
-            mask = attention_mask
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = self._sliding_masks(attention_mask, position_ids) if self._sliding else attention_mask
             if self._additive_masks:
@@ -407,18 +410,6 @@ class Target:
         return {"full_attention": mask, "sliding_attention": sliding}
 
 
-def _set_attention(model: nn.Module, name: str) -> None:
-    """Switch a loaded model's attention implementation (every sub-config that names one)."""
-    try:
-        model.set_attn_implementation(name)
-    except (AttributeError, ValueError):
-        for cfg in (
-            model.config,
-            *(getattr(model.config, k) for k in ("text_config",) if hasattr(model.config, k)),
-        ):
-            cfg._attn_implementation = name
-
-
 def _additive(mask, dtype: torch.dtype):
     """Bool masks (True = may attend) as additive float masks (0 / finfo.min), the form eager attention adds to
     its scores; ``mask`` may be a dict of them (per layer type)."""
@@ -445,9 +436,8 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
         kwargs["revision"] = cfg.revision
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        load_attn = "sdpa" if cfg.attn_implementation == EXACT else cfg.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=load_attn, **kwargs
+            path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
         )
     except OSError as e:
         raise FileNotFoundError(
@@ -455,8 +445,6 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
             "reachable from this machine (set HF_HUB_OFFLINE=1 to use only the local hub cache)."
         ) from e
     model.to(device)
-    if cfg.attn_implementation == EXACT:
-        _set_attention(model, EXACT)
     log.info("target %s loaded: %s on %s in %s", name, type(model).__name__, device, dtype)
     return Target(model, tokenizer, name=name, revision=cfg.revision, aux_layers=cfg.aux_layers)
 
