@@ -250,6 +250,11 @@ def engine_env(
     return env
 
 
+def _address_flags(served_name: str, port: int, cfg: EngineServerConfig) -> list[str]:
+    """The flags vLLM's and SGLang's servers spell alike: the served model name, host, port and dtype."""
+    return ["--served-model-name", served_name, "--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype]
+
+
 def vllm_server_command(
     python: str,
     target_dir: str,
@@ -268,14 +273,7 @@ def vllm_server_command(
         "vllm.entrypoints.openai.api_server",
         "--model",
         str(target_dir),
-        "--served-model-name",
-        served_name,
-        "--host",
-        cfg.host,
-        "--port",
-        str(port),
-        "--dtype",
-        cfg.dtype,
+        *_address_flags(served_name, port, cfg),
         "--max-model-len",
         str(cfg.max_model_len),
         "--max-num-seqs",
@@ -303,14 +301,7 @@ def sglang_command(
         "sglang.launch_server",
         "--model-path",
         str(target_dir),
-        "--served-model-name",
-        SERVED_MODEL_NAME,
-        "--host",
-        cfg.host,
-        "--port",
-        str(port),
-        "--dtype",
-        cfg.dtype,
+        *_address_flags(SERVED_MODEL_NAME, port, cfg),
         "--context-length",
         str(cfg.max_model_len),
         "--speculative-algorithm",
