@@ -157,8 +157,10 @@ def config_hash(cfg: PrepareConfig, tokenizer_fingerprint: str, target_name: str
     key = {
         "corpus": asdict(cfg.corpus),
         "max_len": cfg.max_len,
-        # threads/progress and the time budget do not change what a finished output holds
-        "regenerate": {k: v for k, v in asdict(cfg.regen).items() if k != "time_budget_s"}
+        # threads/progress and the stopping points do not change what a finished output holds
+        "regenerate": {
+            k: v for k, v in asdict(cfg.regen).items() if k not in ("time_budget_s", "max_batches")
+        }
         if cfg.regenerate
         else None,
         "tokenizer": tokenizer_fingerprint,
@@ -329,7 +331,7 @@ def format_summary(res: PrepareResult) -> str:
             lines.append(
                 f"    regenerated {r.written} conversations ({r.already_done} already done), {r.turns} "
                 f"turns, {r.generated_tokens:,} tokens at {r.tokens_per_s:.1f} tok/s; finish {r.finish}"
-                + (f"; {r.remaining} not regenerated yet (time budget)" if r.remaining else "")
+                + (f"; {r.remaining} not regenerated yet (time budget or max_batches)" if r.remaining else "")
             )
     return "\n".join(lines)
 

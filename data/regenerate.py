@@ -70,6 +70,11 @@ class RegenerateConfig:
     """Stop starting new batches after this many seconds of generation in one run (None: no limit). What is
     left keeps its original answers (see ``unfinished``); a later run with the same output continues where this one
     stopped."""
+    max_batches: int | None = None
+    """Regenerate only the first this many batches of the fixed (length-sorted) order of each split, counted over
+    all runs (None: all). Like ``time_budget_s`` it leaves the rest unfinished, and a later run with a larger value
+    continues; unlike it, the result does not depend on the machine's speed, so a benchmark's data can be remade
+    exactly."""
     unfinished: str = "keep"
     """What a time-budgeted run does with conversations not regenerated yet: ``keep`` their original answers in the
     prepared data, or ``drop`` them (train on the target's own answers only)."""
@@ -91,6 +96,8 @@ class RegenerateConfig:
             raise ValueError(f"unfinished must be 'keep' or 'drop', not {self.unfinished!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 or null, not {self.time_budget_s}")
+        if self.max_batches is not None and self.max_batches < 1:
+            raise ValueError(f"max_batches must be >= 1 or null, not {self.max_batches}")
         if self.cache not in ("dynamic", "static"):
             raise ValueError(f"cache must be 'dynamic' or 'static', not {self.cache!r}")
 
@@ -369,6 +376,15 @@ def regenerate(
             batch = [it for it in batch if it.conv.id not in done]
             if not batch:
                 continue
+            if cfg.max_batches is not None and b >= cfg.max_batches:
+                res.remaining = todo - res.written
+                log.info(
+                    "regenerate: the first %d batches are done (max_batches); %d conversations keep their "
+                    "original answers (a run with a larger max_batches continues)",
+                    cfg.max_batches,
+                    res.remaining,
+                )
+                break
             if cfg.time_budget_s is not None and res.seconds >= cfg.time_budget_s:
                 res.remaining = todo - res.written
                 log.info(

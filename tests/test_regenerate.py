@@ -292,6 +292,51 @@ def test_time_budget_keeps_originals_and_a_later_run_continues(chat_target, tmp_
     assert a == b
 
 
+def test_max_batches_stops_at_a_fixed_point_and_a_larger_value_continues(chat_target, tmp_path):
+    """max_batches regenerates exactly the first batches of the fixed order, whatever the machine's speed; a later
+    run with a larger value continues, and the whole equals one uninterrupted run."""
+    from eyas.data.regenerate import RegenerateConfig, read_regenerated, regenerate
+
+    convs = _convs(7)
+    full = regenerate(
+        convs,
+        chat_target,
+        RegenerateConfig(max_new_tokens=6, batch_size=2),
+        tmp_path / "f.jsonl",
+        progress=False,
+    )
+    part = tmp_path / "p.jsonl"
+    first = regenerate(
+        convs,
+        chat_target,
+        RegenerateConfig(max_new_tokens=6, batch_size=2, max_batches=2),
+        part,
+        progress=False,
+    )
+    assert first.written == 4 and first.remaining == 3
+    again = regenerate(
+        convs,
+        chat_target,
+        RegenerateConfig(max_new_tokens=6, batch_size=2, max_batches=2),
+        part,
+        progress=False,
+    )
+    assert again.written == 0 and again.remaining == 3  # the same stopping point: nothing more to do
+    rest = regenerate(
+        convs,
+        chat_target,
+        RegenerateConfig(max_new_tokens=6, batch_size=2, max_batches=9),
+        part,
+        progress=False,
+    )
+    assert rest.written == 3 and rest.remaining == 0
+    a = {c.id: c.messages for c in read_regenerated(tmp_path / "f.jsonl")}
+    b = {c.id: c.messages for c in read_regenerated(part)}
+    assert a == b
+    with pytest.raises(ValueError, match="max_batches"):
+        RegenerateConfig(max_batches=0)
+
+
 @pytest.mark.parametrize("unfinished", ["keep", "drop"])
 def test_prepare_with_a_spent_time_budget_keeps_or_drops_the_rest(chat_target, tmp_path, unfinished):
     """Out of time: the prepared split holds the regenerated conversations plus (keep) or without (drop) the
