@@ -305,6 +305,7 @@ def test_max_batches_stops_at_a_fixed_point_and_a_larger_value_continues(chat_ta
         tmp_path / "f.jsonl",
         progress=False,
     )
+    assert full.remaining == 0
     part = tmp_path / "p.jsonl"
     first = regenerate(
         convs,
