@@ -31,11 +31,13 @@ def test_the_wheel_holds_only_the_eyas_package_with_its_configs(tmp_path):
         str(src),
         "--no-deps",
         "--no-build-isolation",
-        "-q",
+        "-v",
         "-w",
         str(out),
     ]
-    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True)
+    build = subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True)
+    # every config folder is a declared package (setuptools warns about data folders it was not told of)
+    assert "absent from the `packages` configuration" not in build.stdout + build.stderr
     (whl,) = out.glob("eyas-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     top = {n.split("/")[0] for n in names}
