@@ -11,9 +11,15 @@ Design decisions:
 - How: with a KV cache, attention runs in blocks of :data:`BLOCK` query positions (the last block padded) over
   the cache's whole capacity (slots not yet written are masked), so decode and verify forwards run the same
   kernels on the same shapes, and a row's result depends only on its own query, its mask and the cache, never
-  on how many rows came with it. Masked keys contribute exact zeros. The linear layers, norms and rotary
-  embeddings are row-wise already on the CPUs we measured; that is checked, not assumed: :func:`probe` compares
-  verify rows with one-token forwards bit for bit, and evaluation uses this mode only where the probe passes.
+  on how many rows came with it. Masked keys contribute exact zeros.
+- Linear layers: a bf16 GEMM is not row-invariant on every CPU. On an AMD EPYC with AVX512-BF16 and no AMX, the
+  embedded target's ``down_proj`` (a 1536-long reduction) gives a row of a 2-25-row product other bits than the
+  same row alone, while every reduction of 576 (q/k/v/o, gate/up) and 768 was exact; on an Intel CPU with AMX all
+  were. So this mode also splits every linear layer whose reduction is longer than :data:`LINEAR_K` into equal
+  pieces of at most that length and adds the pieces' products in fp32 (:class:`RowExactLinear`): the same weights
+  and FLOPs, one rounding to bf16 at the end. Norms and rotary embeddings are row-wise. None of this is assumed:
+  :func:`probe` compares verify rows with one-token forwards bit for bit, and evaluation uses this mode only
+  where the probe passes (float32 otherwise).
 - Forwards of more than :data:`MAX_ROWS` queries (prefill) use ``sdpa``: every method shares the same prefill.
 - Scope: a chain (EAGLE-3 chains, prompt lookup, plain decoding) lays its path out at the slots decoding would
   use, so it is bit-exact. A tree's side branches sit at other slots, so their rows add the same terms in
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -36,6 +43,8 @@ BLOCK = 8
 """Query positions per attention block (chains up to K = 7 verify in one block)."""
 MAX_ROWS = 64
 """Forwards with more query positions than this (prefill) go through ``sdpa``."""
+LINEAR_K = 768
+"""Longest reduction one GEMM runs in this mode; longer linear layers are split (:class:`RowExactLinear`)."""
 
 
 _prepared: tuple[torch.Tensor, torch.Tensor] | None = None  # (the last bool mask, its additive block form)
@@ -96,6 +105,57 @@ def exact_attention(module, query, key, value, attention_mask, scaling=None, dro
         outs.append(torch.matmul(probs.view(b, kvh, g * BLOCK, s), value).view(b, kvh, g, BLOCK, dv))
     out = outs[0] if blocks == 1 else torch.cat(outs, dim=3)
     return out[:, :, :, :m].reshape(b, h, m, dv).transpose(1, 2).contiguous(), None
+
+
+class RowExactLinear(nn.Module):
+    """A linear layer computed as the fp32 sum of GEMMs over equal slices of its input features, each at most
+    :data:`LINEAR_K` long, rounded once to the input's dtype. Same result as the layer up to that rounding, and
+    row-invariant wherever the shorter GEMMs are (see the module docstring). Holds the slices instead of the
+    weight; ``weight`` reassembles it (a copy) for code that reads it."""
+
+    def __init__(self, linear: nn.Linear, max_k: int = LINEAR_K):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        pieces = -(-linear.in_features // max_k)
+        w = linear.weight.detach()
+        edges = [i * linear.in_features // pieces for i in range(pieces + 1)]
+        self.bounds = list(zip(edges[:-1], edges[1:]))
+        self.pieces = nn.ParameterList(
+            nn.Parameter(w[:, a:b].contiguous(), requires_grad=False) for a, b in self.bounds
+        )
+        self.bias = (
+            None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        )
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat(list(self.pieces), dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = None
+        for (a, b), w in zip(self.bounds, self.pieces):
+            part = F.linear(x[..., a:b], w).float()
+            y = part if y is None else y.add_(part)
+        if self.bias is not None:
+            y = y.add_(self.bias.float())
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, pieces={len(self.bounds)}"
+
+
+def split_long_linears(model: nn.Module, max_k: int = LINEAR_K) -> int:
+    """Replace, in place, every ``nn.Linear`` of ``model`` with more than ``max_k`` input features by a
+    :class:`RowExactLinear`, except the output head (the target's frozen head shares its weight; the probe
+    covers its rows too); returns how many were replaced."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.in_features > max_k and child is not head:
+                setattr(parent, name, RowExactLinear(child, max_k))
+                n += 1
+    return n
 
 
 AttentionInterface.register(EXACT, exact_attention)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.common import ConfigError
-from eyas.serving.exact_attention import EXACT
+from eyas.serving.exact_attention import EXACT, split_long_linears
 from eyas.serving.kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
@@ -267,6 +267,8 @@ class Target:
         # eager attention adds the mask to the scores: a bool mask would add 0/1 and mask nothing
         self._additive_masks = attn == "eager"
         self.attention = attn
+        if attn == EXACT:  # row-exact GEMMs as well: long reductions split (serving/exact_attention.py)
+            split_long_linears(model)
         self.base = model.get_decoder()
         self.head = TargetHead.from_model(model)
         self.info = TargetInfo(

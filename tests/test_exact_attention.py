@@ -103,3 +103,43 @@ def test_embedded_bf16_speculative_greedy_is_plain_decoding_token_for_token(embe
         assert res.tokens == ref, proposer.name
         if proposer.name == "oracle":
             assert res.tau > 2.5
+
+
+def test_row_exact_linear_is_the_linear_layer_split_along_its_inputs():
+    """Same outputs as nn.Linear (fp32: to rounding), its weight reassembled, the bias kept; long layers split,
+    short ones and the output head left alone."""
+    from torch import nn
+
+    from eyas.serving.exact_attention import LINEAR_K, RowExactLinear, split_long_linears
+
+    torch.manual_seed(0)
+    lin = nn.Linear(2 * LINEAR_K + 5, 48)
+    exact = RowExactLinear(lin)
+    assert len(exact.pieces) == 3 and max(b - a for a, b in exact.bounds) <= LINEAR_K
+    assert torch.equal(exact.weight, lin.weight) and torch.equal(exact.bias, lin.bias)
+    x = torch.randn(2, 7, lin.in_features)
+    torch.testing.assert_close(exact(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert exact.to(torch.bfloat16)(x.bfloat16()).dtype == torch.bfloat16  # the pieces follow .to()
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(8, LINEAR_K + 1)
+            self.down = nn.Linear(LINEAR_K + 1, 8, bias=False)
+            self.lm_head = nn.Linear(LINEAR_K + 1, 8, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    m = Tiny()
+    assert split_long_linears(m) == 1
+    assert isinstance(m.down, RowExactLinear) and type(m.up) is nn.Linear and type(m.lm_head) is nn.Linear
+
+
+@pytest.mark.slow
+@needs_bf16
+def test_embedded_bf16_exact_target_passes_the_probe(embedded_target_fp32):
+    """The embedded target in bf16 exact mode: verify rows of chains and 7-node trees bitwise equal one-token
+    decoding. (Without the split down_proj, an AMD EPYC with AVX512-BF16 failed this at row 3 of 7.)"""
+    target = embedded_target_fp32.with_dtype(torch.bfloat16, EXACT)
+    assert probe(target, sizes=(2, 7, 8, 25), contexts=(37, 300)) is None
