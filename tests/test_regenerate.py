@@ -298,41 +298,20 @@ def test_max_batches_stops_at_a_fixed_point_and_a_larger_value_continues(chat_ta
     from eyas.data.regenerate import RegenerateConfig, read_regenerated, regenerate
 
     convs = _convs(7)
-    full = regenerate(
-        convs,
-        chat_target,
-        RegenerateConfig(max_new_tokens=6, batch_size=2),
-        tmp_path / "f.jsonl",
-        progress=False,
-    )
-    assert full.remaining == 0
-    part = tmp_path / "p.jsonl"
-    first = regenerate(
-        convs,
-        chat_target,
-        RegenerateConfig(max_new_tokens=6, batch_size=2, max_batches=2),
-        part,
-        progress=False,
-    )
+
+    def run(path, max_batches=None):
+        cfg = RegenerateConfig(max_new_tokens=6, batch_size=2, max_batches=max_batches)
+        return regenerate(convs, chat_target, cfg, tmp_path / path, progress=False)
+
+    assert run("f.jsonl").remaining == 0
+    first = run("p.jsonl", max_batches=2)
     assert first.written == 4 and first.remaining == 3
-    again = regenerate(
-        convs,
-        chat_target,
-        RegenerateConfig(max_new_tokens=6, batch_size=2, max_batches=2),
-        part,
-        progress=False,
-    )
+    again = run("p.jsonl", max_batches=2)
     assert again.written == 0 and again.remaining == 3  # the same stopping point: nothing more to do
-    rest = regenerate(
-        convs,
-        chat_target,
-        RegenerateConfig(max_new_tokens=6, batch_size=2, max_batches=9),
-        part,
-        progress=False,
-    )
+    rest = run("p.jsonl", max_batches=9)
     assert rest.written == 3 and rest.remaining == 0
     a = {c.id: c.messages for c in read_regenerated(tmp_path / "f.jsonl")}
-    b = {c.id: c.messages for c in read_regenerated(part)}
+    b = {c.id: c.messages for c in read_regenerated(tmp_path / "p.jsonl")}
     assert a == b
     with pytest.raises(ValueError, match="max_batches"):
         RegenerateConfig(max_batches=0)
