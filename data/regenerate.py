@@ -76,8 +76,9 @@ class RegenerateConfig:
     continues; unlike it, the result does not depend on the machine's speed, so a benchmark's data can be remade
     exactly."""
     unfinished: str = "keep"
-    """What a time-budgeted run does with conversations not regenerated yet: ``keep`` their original answers in the
-    prepared data, or ``drop`` them (train on the target's own answers only)."""
+    """What a run stopped early (``time_budget_s`` or ``max_batches``) does with conversations not regenerated
+    yet: ``keep`` their original answers in the prepared data, or ``drop`` them (train on the target's own answers
+    only)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -376,21 +377,16 @@ def regenerate(
             batch = [it for it in batch if it.conv.id not in done]
             if not batch:
                 continue
+            stop = None
             if cfg.max_batches is not None and b >= cfg.max_batches:
+                stop = f"the first {cfg.max_batches} batches are done (max_batches)"
+            elif cfg.time_budget_s is not None and res.seconds >= cfg.time_budget_s:
+                stop = f"time budget of {cfg.time_budget_s:.0f} s used"
+            if stop:
                 res.remaining = todo - res.written
                 log.info(
-                    "regenerate: the first %d batches are done (max_batches); %d conversations keep their "
-                    "original answers (a run with a larger max_batches continues)",
-                    cfg.max_batches,
-                    res.remaining,
-                )
-                break
-            if cfg.time_budget_s is not None and res.seconds >= cfg.time_budget_s:
-                res.remaining = todo - res.written
-                log.info(
-                    "regenerate: time budget of %.0f s used; %d conversations keep their original answers "
-                    "(a later run continues)",
-                    cfg.time_budget_s,
+                    "regenerate: %s; %d conversations keep their original answers (a later run continues)",
+                    stop,
                     res.remaining,
                 )
                 break
