@@ -152,6 +152,10 @@ def run_recipe(cfg) -> list[VariantResult]:
     if job.threads:
         torch.set_num_threads(job.threads)
     command = "python -m eyas.recipe " + " ".join(sys.argv[1:])
+    chosen = [v for v in rc.variants if not rc.only or v.name in rc.only]
+    for v in chosen:  # a bad override stops the study here, not after hours of prepare and extract
+        for seed in rc.seeds:
+            variant_configs(v, job.drafter, job.train, seed)
     target = load_target(job.target)
     if rc.store_dir:
         store_dir = Path(rc.store_dir)
@@ -176,9 +180,7 @@ def run_recipe(cfg) -> list[VariantResult]:
         work_dir / "recipe" / json_hash({"store": str(store_dir), "recipe": asdict(rc), "eval": asdict(ecfg)})
     )
     out.mkdir(parents=True, exist_ok=True)
-    for v in rc.variants:
-        if rc.only and v.name not in rc.only:
-            continue
+    for v in chosen:
         for seed in rc.seeds:
             t0 = time.perf_counter()
             dcfg, tcfg = variant_configs(v, job.drafter, job.train, seed)

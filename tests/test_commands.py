@@ -227,6 +227,35 @@ def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
         build_config(RecipeConfig, {"variants": [{"name": "a"}], "only": ["b"]})
 
 
+def test_loader_settings_are_checked_when_the_train_config_is_built():
+    from eyas.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"^train\.data\.loader\.packing must be one of .*'padding'"):
+        build_config(TrainConfig, {"data": {"loader": {"packing": "padding"}}}, "train")
+    with pytest.raises(ConfigError, match=r"train\.data\.loader\.rows: unknown key"):
+        build_config(TrainConfig, {"data": {"loader": {"rows": 2}}}, "train")
+    ok = build_config(
+        TrainConfig, {"data": {"loader": {"packing": "padded", "max_tokens": "window"}}}, "train"
+    )
+    assert ok.data.loader == {
+        "packing": "padded",
+        "max_tokens": "window",
+    }  # the window is the trainer's to resolve
+
+
+def test_a_recipe_variant_with_a_bad_setting_stops_before_the_target_is_loaded(monkeypatch, tmp_path, capsys):
+    import eyas.recipe
+    import eyas.serving.target
+
+    def no_stage(*args, **kwargs):
+        raise AssertionError("the study started before its variants were checked")
+
+    monkeypatch.setattr(eyas.serving.target, "load_target", no_stage)
+    bad = "recipe.variants=[{name:ok},{name:bad,train:{data:{loader:{packing:padding}}}}]"
+    assert run_app(eyas.recipe.main, [bad], monkeypatch, tmp_path) == 2
+    assert "train.data.loader.packing must be one of" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ the micro-benchmarks are Hydra apps too
 def _bench_commands():
     from eyas import bench_context, bench_extract, bench_train

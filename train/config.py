@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from eyas.common import build_config
+from eyas.common import ConfigError, build_config
 from eyas.serving.target import TargetConfig
 
 TEACHERS = ("auto", "hidden", "topk")
@@ -148,6 +148,24 @@ class DataSourceConfig:
                 raise ValueError(
                     f"train.data.loader.{key} is set by the trainer; use train.data.eval_fraction"
                 )
+        check_loader_settings(self.loader)
+
+
+def check_loader_settings(settings: dict[str, Any]) -> None:
+    """Refuse loader settings the loader would refuse, now rather than after the stages before training (a
+    recipe study's prepare and extract take hours): unknown keys and bad values, named ``train.data.loader.*``.
+    ``max_tokens: window`` stands for the target's context window, which only the trainer knows."""
+    from eyas.data.loader import WINDOW, LoaderConfig
+
+    probe = dict(settings)
+    if probe.get("max_tokens") == WINDOW:
+        probe["max_tokens"] = LoaderConfig.max_tokens
+    try:
+        build_config(LoaderConfig, probe, "train.data.loader")
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"train.data.{e}") from None
 
 
 @dataclass

@@ -225,7 +225,7 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
     try:
         train = make("train")
     except ValueError as e:
-        raise ValueError(f"the training split is empty: {e}") from e
+        raise ValueError(f"train.data: no training loader: {e}") from e
     evals: list[Any] = []
     if ef > 0:
         try:
