@@ -152,10 +152,13 @@ def run_recipe(cfg) -> list[VariantResult]:
     if job.threads:
         torch.set_num_threads(job.threads)
     command = "python -m eyas.recipe " + " ".join(sys.argv[1:])
-    chosen = [v for v in rc.variants if not rc.only or v.name in rc.only]
-    for v in chosen:  # a bad override stops the study here, not after hours of prepare and extract
-        for seed in rc.seeds:
-            variant_configs(v, job.drafter, job.train, seed)
+    # every run's configs first: a bad override stops the study here, not after hours of prepare and extract
+    runs = [
+        (v, seed, *variant_configs(v, job.drafter, job.train, seed))
+        for v in rc.variants
+        if not rc.only or v.name in rc.only
+        for seed in rc.seeds
+    ]
     target = load_target(job.target)
     if rc.store_dir:
         store_dir = Path(rc.store_dir)
@@ -180,42 +183,36 @@ def run_recipe(cfg) -> list[VariantResult]:
         work_dir / "recipe" / json_hash({"store": str(store_dir), "recipe": asdict(rc), "eval": asdict(ecfg)})
     )
     out.mkdir(parents=True, exist_ok=True)
-    for v in chosen:
-        for seed in rc.seeds:
-            t0 = time.perf_counter()
-            dcfg, tcfg = variant_configs(v, job.drafter, job.train, seed)
-            print(f"\n== recipe variant {v.name} (seed {seed}) ==", flush=True)
-            train_res, rec = stage_train(store_dir, dcfg, tcfg, target, work_dir, job.target)
-            export_dir, _ = stage_export(train_res, target, work_dir)
-            acc, _, _, _ = stage_eval(export_dir, ecfg, target, work_dir, {"variant": v.name}, command)
-            r = acc.results[0]
-            fe = train_res.final_eval or {}
-            results.append(
-                VariantResult(
-                    variant=v.name,
-                    seed=seed,
-                    steps=train_res.steps,
-                    train_tokens=train_res.tokens if train_res.steps_this_run else None,
-                    train_tokens_per_s=round(train_res.tokens_per_s, 1) if train_res.steps_this_run else None,
-                    tau_sim=round(fe["tau_chain"], 4) if "tau_chain" in fe else None,
-                    tau=round(r.tau, 4),
-                    first_acceptance=round(r.acceptance_by_position[0], 4)
-                    if r.acceptance_by_position
-                    else 0.0,
-                    acceptance_by_position=[round(a, 4) for a in r.acceptance_by_position],
-                    prompts=r.prompts,
-                    train_dir=rec.path,
-                )
+    for v, seed, dcfg, tcfg in runs:
+        t0 = time.perf_counter()
+        print(f"\n== recipe variant {v.name} (seed {seed}) ==", flush=True)
+        train_res, rec = stage_train(store_dir, dcfg, tcfg, target, work_dir, job.target)
+        export_dir, _ = stage_export(train_res, target, work_dir)
+        acc, _, _, _ = stage_eval(export_dir, ecfg, target, work_dir, {"variant": v.name}, command)
+        r = acc.results[0]
+        fe = train_res.final_eval or {}
+        results.append(
+            VariantResult(
+                variant=v.name,
+                seed=seed,
+                steps=train_res.steps,
+                train_tokens=train_res.tokens if train_res.steps_this_run else None,
+                train_tokens_per_s=round(train_res.tokens_per_s, 1) if train_res.steps_this_run else None,
+                tau_sim=round(fe["tau_chain"], 4) if "tau_chain" in fe else None,
+                tau=round(r.tau, 4),
+                first_acceptance=round(r.acceptance_by_position[0], 4) if r.acceptance_by_position else 0.0,
+                acceptance_by_position=[round(a, 4) for a in r.acceptance_by_position],
+                prompts=r.prompts,
+                train_dir=rec.path,
             )
-            prior = out / f"{v.name}.seed{seed}.json"
-            if (
-                results[-1].train_tokens is None and prior.exists()
-            ):  # reused training: keep the measured speed
-                old = json.loads(prior.read_text())
-                results[-1].train_tokens = old.get("train_tokens")
-                results[-1].train_tokens_per_s = old.get("train_tokens_per_s")
-            prior.write_text(json.dumps(asdict(results[-1]), indent=1))
-            print(f"recipe variant {v.name} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
+        )
+        prior = out / f"{v.name}.seed{seed}.json"
+        if results[-1].train_tokens is None and prior.exists():  # reused training: keep the measured speed
+            old = json.loads(prior.read_text())
+            results[-1].train_tokens = old.get("train_tokens")
+            results[-1].train_tokens_per_s = old.get("train_tokens_per_s")
+        prior.write_text(json.dumps(asdict(results[-1]), indent=1))
+        print(f"recipe variant {v.name} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
     table = format_table(results, rc.chain_length)
     (out / "recipe.md").write_text(f"`{command}`\n\n{table}\n")
     (out / "recipe.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
