@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 PACKING = ("packed", "padded")
 SPLITS = ("train", "eval", "all")
+LOSS_ON = ("assistant", "all")
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,6 +77,9 @@ class LoaderConfig:
     """Skip samples with fewer loss-masked tokens than this."""
     pad_token_id: int = 0
     """input_ids value at padding positions (segment id 0; never a loss position)."""
+    loss_on: str = "assistant"
+    """Which tokens carry loss: ``assistant`` (the sample's own mask: the assistant's tokens) or ``all`` (every
+    token, the user's turns and the template too; the target's distribution is stored at every position)."""
     length_mix: dict[int, float] | None = None
     """Row lengths and the share of each epoch's tokens in rows of that length, e.g. ``{1024: 0.75, 8192: 0.25}``
     (weights are normalized). Rows are then as long as these lengths and ``max_tokens`` is not used; samples
@@ -97,6 +101,8 @@ class LoaderConfig:
             self.length_mix = {k: mix[k] / total for k in sorted(mix) if mix[k] > 0}
         if self.packing not in PACKING:
             raise ValueError(f"loader.packing must be one of {PACKING}, not {self.packing!r}")
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"loader.loss_on must be one of {LOSS_ON}, not {self.loss_on!r}")
         if self.split not in SPLITS:
             raise ValueError(f"loader.split must be one of {SPLITS}, not {self.split!r}")
         if self.dtype not in FLOAT_DTYPES:
@@ -270,7 +276,7 @@ def collate(
             sl = slice(pos, pos + n)
             feats = {name: v[:n] for name, v in s.features.items()}
             out["input_ids"][r, sl] = s.input_ids[:n]
-            out["loss_mask"][r, sl] = s.loss_mask[:n].bool()
+            out["loss_mask"][r, sl] = True if cfg.loss_on == "all" else s.loss_mask[:n].bool()
             out["position_ids"][r, sl] = torch.arange(n, device=dev)
             out["segment_ids"][r, sl] = seg
             out["aux"][r, sl] = codec.decode_aux(feats, dtype)

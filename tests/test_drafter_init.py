@@ -43,6 +43,21 @@ def test_target_init_reproduces_the_tiny_targets_top_layer(tiny_target):
     assert torch.equal(warm.fc.weight[:, -h:], torch.eye(h))
 
 
+def test_a_wider_drafter_mlp_still_starts_as_the_targets_layer(tiny_target):
+    """Extra MLP units get zero down_proj columns: step 0 is the target's layer; the units are there to train."""
+    target = tiny_target("llama", num_layers=6)
+    width = target.layers[5].mlp.down_proj.weight.shape[1]
+    vocab = build_draft_vocab(torch.arange(target.vocab_size, 0, -1), target.vocab_size)
+    cfg = DraftModelConfig(draft_vocab_size=target.vocab_size, init="target", intermediate_size=3 * width)
+    wide = build_drafter(target, cfg, vocab, seed=0)
+    ids = torch.randint(3, target.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    assert _agreement(target, wide, ids) == 1.0
+    mlp = wide.midlayer.mlp
+    assert torch.equal(mlp.gate_proj.weight[:width], target.layers[5].mlp.gate_proj.weight.float())
+    assert torch.count_nonzero(mlp.down_proj.weight[:, width:]) == 0
+    assert torch.count_nonzero(mlp.up_proj.weight[width:]) > 0  # random, so they can learn
+
+
 def test_target_init_refuses_a_layer_the_target_lacks(tiny_target):
     target = tiny_target("llama", num_layers=4)
     vocab = build_draft_vocab(torch.ones(target.vocab_size), 64)

@@ -124,6 +124,22 @@ def test_padded_mode_and_truncation(stores):
     assert max(b.input_ids.shape[1] for b in batches) == 20
 
 
+def test_loss_on_all_marks_every_real_token_and_keeps_the_rest(stores):
+    _, _, _, paths = stores
+    store = FeatureStore(paths["topk"])
+    kw = dict(batch_rows=3, max_tokens=64, shuffle=False)
+    mine = _batches(FeatureLoader(store, LoaderConfig(**kw)))
+    every = _batches(FeatureLoader(store, LoaderConfig(**kw, loss_on="all")))
+    assert len(mine) == len(every)
+    for a, b in zip(mine, every):
+        assert torch.equal(b.loss_mask, b.segment_ids > 0)
+        assert int(b.loss_mask.sum()) > int(a.loss_mask.sum())  # the prompts' tokens too
+        b.loss_mask = a.loss_mask
+        _assert_batches_equal(a, b)
+    with pytest.raises(ValueError, match="loader.loss_on must be one of"):
+        LoaderConfig(loss_on="prompt")
+
+
 def test_shuffle_is_deterministic_in_seed_and_epoch(stores):
     _, _, _, paths = stores
     store = FeatureStore(paths["hidden"])

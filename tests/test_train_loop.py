@@ -109,6 +109,19 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path):
     assert len([x for x in lines if '"kind": "train"' in x]) == 24
 
 
+def test_a_frozen_lm_head_stays_as_built_and_the_rest_trains(tmp_path):
+    target, drafter, data = tiny_setup()
+    head0 = drafter.lm_head.weight.detach().clone()
+    fc0 = drafter.fc.weight.detach().clone()
+    cfg = tiny_cfg(tmp_path, max_steps=4, save_every=0, freeze_lm_head=True)
+    res = fit(cfg, drafter, ListSource(data.train, shuffle=True), data.train, head=target.head,
+              target_info=target.info)
+    saved = load_weights(res.last_checkpoint)
+    assert torch.equal(saved["lm_head.weight"].float(), head0)
+    assert not torch.equal(saved["fc.weight"].float(), fc0)
+    assert "freeze_lm_head" in cfg.identity() and "freeze_lm_head" not in tiny_cfg(tmp_path).identity()
+
+
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -249,6 +262,12 @@ def test_store_data_for_its_target_and_refused_for_another(tmp_path):
     assert train_ids and eval_ids and not train_ids & eval_ids
     expected = sum(s.num_loss_tokens for s in samples if s.id in train_ids)
     assert int(rd.vocab_counts.sum()) == expected  # the vocabulary counts the training split only
+    # loss on every token: the training batches carry it, the held-out ones (τ_sim) and the vocabulary do not
+    cfg.data.loader["loss_on"] = "all"
+    every = run_data(target, cfg, rank=0, world=1)
+    assert all(torch.equal(b.loss_mask, b.segment_ids > 0) for b in every.train)
+    assert sum(int(b.loss_mask.sum()) for b in every.eval) == sum(int(b.loss_mask.sum()) for b in rd.eval)
+    assert torch.equal(every.vocab_counts, rd.vocab_counts)
     other = make_tiny_target(seed=1, hidden_size=32)
     with pytest.raises(StoreMismatchError, match="hidden_size"):
         run_data(other, cfg, rank=0, world=1)

@@ -207,6 +207,10 @@ class TrainConfig:
     """Which rows are dropped as out of the draft vocabulary: ``teacher`` (the target's argmax over the full
     vocabulary is not a draft token; exact, costs one full-vocabulary head pass per supervised token for
     ``hidden`` teachers) or ``label`` (the data's next token is not a draft token; draft rows only)."""
+    freeze_lm_head: bool = False
+    """Keep the drafter's ``lm_head`` as it was built (with ``drafter.init=target``: the target head's draft rows)
+    and train only the layer, ``fc`` and norms, so the drafter learns to land in the target's own output space
+    (EAGLE-1 shares the target's head this way). Saves the head's weight gradient."""
     precision: str = "auto"
     """``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (autocast; on CPU too)."""
     bf16_lm_head: bool = False
@@ -306,6 +310,8 @@ class TrainConfig:
         ):
             d.pop(k)
         d["betas"] = list(self.betas)
+        if not d["freeze_lm_head"]:
+            del d["freeze_lm_head"]  # runs from before the option keep their identity
         return d
 
 

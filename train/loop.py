@@ -400,6 +400,7 @@ def fit(
         else None,
     )
 
+    drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     model = DistillationModel(drafter, cfg.step_weights, bf16_head=cfg.bf16_lm_head)
     optimizer = torch.optim.AdamW(
         _param_groups(model, cfg.weight_decay),

@@ -64,8 +64,11 @@ def init_from_target(
     - ``norm`` is the target's final norm, ``lm_head`` the target head's draft rows.
 
     ``layer`` defaults to the layer after the top aux layer, the one that reads exactly the state ``fc`` passes
-    through. Weights whose shapes do not fit (an MLA attention, a drafter MLP of another width) and parts the
-    drafter has no place for (attention biases, q/k norms) are left as they are; their names are returned."""
+    through. A drafter MLP wider than the layer's takes the layer's units first; its extra units keep their
+    random gate/up rows and get *zero* down_proj columns, so at step 0 it still computes the layer exactly and
+    the extra width comes into play as it trains. Weights whose shapes do not fit (an MLA attention, a drafter
+    MLP narrower than the layer's) and parts the drafter has no place for (attention biases, q/k norms) are
+    left as they are; their names are returned."""
     n = len(target.layers)
     top = int(target.aux_layers[-1])
     idx = top + 1 if layer is None else int(layer)
@@ -100,8 +103,7 @@ def init_from_target(
             if getattr(getattr(src.self_attn, name, None), "bias", None) is not None:
                 skipped.append(f"self_attn.{name}.bias")
         put(d.self_attn.o_proj.weight, weight(src, "self_attn", "o_proj"), "self_attn.o_proj")
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            put(getattr(d.mlp, name).weight, weight(src, "mlp", name), f"mlp.{name}")
+        _put_mlp(d.mlp, src, skipped)
         put(d.hidden_norm.weight, weight(src, "input_layernorm"), "input_layernorm")
         put(d.input_layernorm.weight, weight(src, "input_layernorm"), "input_layernorm")
         put(
@@ -119,6 +121,25 @@ def init_from_target(
     else:
         log.info("drafter initialised from target layer %d (fc = identity on aux layer %d)", idx, top)
     return skipped
+
+
+def _put_mlp(dst_mlp, src_layer, skipped: list[str]) -> None:
+    """Copy the target layer's gated MLP into the drafter's, which may be wider (see :func:`init_from_target`)."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    src = {n: getattr(getattr(getattr(src_layer, "mlp", None), n, None), "weight", None) for n in names}
+    gate, up, down = (getattr(dst_mlp, n).weight for n in names)
+    h, width = down.shape
+    m = None if src["down_proj"] is None else src["down_proj"].shape[1]  # the layer's MLP width
+    if m is None or m > width or any(
+        src[n] is None or tuple(src[n].shape) != shape
+        for n, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m)))
+    ):
+        skipped.extend(f"mlp.{n}" for n in names)
+        return
+    gate[:m].copy_(src["gate_proj"].detach().float().cpu())
+    up[:m].copy_(src["up_proj"].detach().float().cpu())
+    down.zero_()
+    down[:, :m].copy_(src["down_proj"].detach().float().cpu())
 
 
 def draft_vocab_for(data: Any, cfg: DraftModelConfig, vocab_size: int, output_dir: str | Path) -> DraftVocab:
@@ -229,7 +250,7 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
     evals: list[Any] = []
     if ef > 0:
         try:
-            evals = list(make("eval", shuffle=False))
+            evals = list(make("eval", shuffle=False, loss_on="assistant"))  # τ_sim: the assistant's tokens
         except ValueError as e:
             log.warning("no held-out batches (%s): simulated acceptance will not be measured", e)
     source = train.source
