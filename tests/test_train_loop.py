@@ -114,8 +114,14 @@ def test_a_frozen_lm_head_stays_as_built_and_the_rest_trains(tmp_path):
     head0 = drafter.lm_head.weight.detach().clone()
     fc0 = drafter.fc.weight.detach().clone()
     cfg = tiny_cfg(tmp_path, max_steps=4, save_every=0, freeze_lm_head=True)
-    res = fit(cfg, drafter, ListSource(data.train, shuffle=True), data.train, head=target.head,
-              target_info=target.info)
+    res = fit(
+        cfg,
+        drafter,
+        ListSource(data.train, shuffle=True),
+        data.train,
+        head=target.head,
+        target_info=target.info,
+    )
     saved = load_weights(res.last_checkpoint)
     assert torch.equal(saved["lm_head.weight"].float(), head0)
     assert not torch.equal(saved["fc.weight"].float(), fc0)

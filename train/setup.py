@@ -130,9 +130,13 @@ def _put_mlp(dst_mlp, src_layer, skipped: list[str]) -> None:
     gate, up, down = (getattr(dst_mlp, n).weight for n in names)
     h, width = down.shape
     m = None if src["down_proj"] is None else src["down_proj"].shape[1]  # the layer's MLP width
-    if m is None or m > width or any(
-        src[n] is None or tuple(src[n].shape) != shape
-        for n, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m)))
+    if (
+        m is None
+        or m > width
+        or any(
+            src[n] is None or tuple(src[n].shape) != shape
+            for n, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m)))
+        )
     ):
         skipped.extend(f"mlp.{n}" for n in names)
         return
