@@ -59,6 +59,18 @@ def tiny_cfg(out: Path, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
+def fit_on_train(cfg: TrainConfig, target, drafter, data):
+    """Train on the shuffled training split and evaluate on it too (8 random sequences cannot generalise)."""
+    return fit(
+        cfg,
+        drafter,
+        ListSource(data.train, shuffle=True),
+        data.train,
+        head=target.head,
+        target_info=target.info,
+    )
+
+
 class SlowSource(ListSource):
     """A ListSource that sleeps before each batch (keeps the child run alive long enough to be killed)."""
 
@@ -91,14 +103,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path):
     stub = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
     # 8 random sequences cannot generalise: "held out" here is the training set itself (can it fit the teacher?)
     before = evaluate(stub, DistillationModel(drafter, cfg.step_weights), data.train, kw, cfg.step_weights)
-    res = fit(
-        cfg,
-        drafter,
-        ListSource(data.train, shuffle=True),
-        data.train,
-        head=target.head,
-        target_info=target.info,
-    )
+    res = fit_on_train(cfg, target, drafter, data)
     assert res.steps == 24 and res.final_eval is not None
     assert res.final_eval["loss"] < 0.8 * before.loss
     assert res.final_eval["step_acc"][0] > before.step_acc[0] + 0.1
@@ -114,14 +119,7 @@ def test_a_frozen_lm_head_stays_as_built_and_the_rest_trains(tmp_path):
     head0 = drafter.lm_head.weight.detach().clone()
     fc0 = drafter.fc.weight.detach().clone()
     cfg = tiny_cfg(tmp_path, max_steps=4, save_every=0, freeze_lm_head=True)
-    res = fit(
-        cfg,
-        drafter,
-        ListSource(data.train, shuffle=True),
-        data.train,
-        head=target.head,
-        target_info=target.info,
-    )
+    res = fit_on_train(cfg, target, drafter, data)
     saved = load_weights(res.last_checkpoint)
     assert torch.equal(saved["lm_head.weight"].float(), head0)
     assert not torch.equal(saved["fc.weight"].float(), fc0)
