@@ -103,7 +103,7 @@ def init_from_target(
             if getattr(getattr(src.self_attn, name, None), "bias", None) is not None:
                 skipped.append(f"self_attn.{name}.bias")
         put(d.self_attn.o_proj.weight, weight(src, "self_attn", "o_proj"), "self_attn.o_proj")
-        _put_mlp(d.mlp, src, skipped)
+        _put_mlp(d.mlp, {n: weight(src, "mlp", n) for n in _MLP}, skipped)
         put(d.hidden_norm.weight, weight(src, "input_layernorm"), "input_layernorm")
         put(d.input_layernorm.weight, weight(src, "input_layernorm"), "input_layernorm")
         put(
@@ -123,11 +123,13 @@ def init_from_target(
     return skipped
 
 
-def _put_mlp(dst_mlp, src_layer, skipped: list[str]) -> None:
-    """Copy the target layer's gated MLP into the drafter's, which may be wider (see :func:`init_from_target`)."""
-    names = ("gate_proj", "up_proj", "down_proj")
-    src = {n: getattr(getattr(getattr(src_layer, "mlp", None), n, None), "weight", None) for n in names}
-    gate, up, down = (getattr(dst_mlp, n).weight for n in names)
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _put_mlp(dst_mlp, src: dict[str, torch.Tensor | None], skipped: list[str]) -> None:
+    """Copy the target layer's gated MLP weights (``src``: gate_proj/up_proj/down_proj, None where the layer has
+    none) into the drafter's MLP, which may be wider (see :func:`init_from_target`)."""
+    gate, up, down = (getattr(dst_mlp, n).weight for n in _MLP)
     h, width = down.shape
     m = None if src["down_proj"] is None else src["down_proj"].shape[1]  # the layer's MLP width
     if (
@@ -138,7 +140,7 @@ def _put_mlp(dst_mlp, src_layer, skipped: list[str]) -> None:
             for n, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m)))
         )
     ):
-        skipped.extend(f"mlp.{n}" for n in names)
+        skipped.extend(f"mlp.{n}" for n in _MLP)
         return
     gate[:m].copy_(src["gate_proj"].detach().float().cpu())
     up[:m].copy_(src["up_proj"].detach().float().cpu())
