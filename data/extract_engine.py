@@ -351,7 +351,8 @@ def load_engine_target(cfg: TargetConfig, dtype: str, need_head: bool) -> Engine
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=tdtype, **kwargs)
     n = len(decoder_layers(model))
-    aux = tuple(default_aux_layers(n) if cfg.aux_layers is None else (int(i) for i in cfg.aux_layers))
+    chosen = cfg.chosen_aux_layers()
+    aux = tuple(default_aux_layers(n) if chosen is None else chosen)
     problem = aux_layer_problem(aux, n)
     if problem:
         raise ValueError(problem)

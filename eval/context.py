@@ -219,6 +219,7 @@ def run(
 ) -> ContextResult:
     """Measure every method at every length (see the module docstring); writes JSON, markdown and the figure.
     The target is loaded, the drafter loaded from ``context.checkpoint`` and the prompts built unless given."""
+    from eyas.serving.drafters import with_drafter_aux_layers
     from eyas.serving.target import load_target
 
     cfg = job.context
@@ -229,7 +230,9 @@ def run(
         )
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    target = target if target is not None else load_target(job.target)
+    target = (
+        target if target is not None else load_target(with_drafter_aux_layers(job.target, cfg.checkpoint))
+    )
     limit = int(target.model.config.get_text_config().max_position_embeddings)
     room = cfg.prompts.max_new_tokens + 2 * cfg.chain_length + 2
     too_long = [n for n in cfg.lengths if n + room > limit]

@@ -175,7 +175,7 @@ def run(
     stages for the report."""
     from eyas.eval.prompts import load_prompt_ids
     from eyas.eval.report import print_engine_table, print_table, write_report
-    from eyas.serving.drafters import load_drafter
+    from eyas.serving.drafters import load_drafter, with_drafter_aux_layers
     from eyas.serving.target import load_target
 
     ecfg = job.eval
@@ -187,7 +187,7 @@ def run(
     if job.threads:
         torch.set_num_threads(job.threads)
     if target is None and not engine_only:
-        target = load_target(job.target)
+        target = load_target(with_drafter_aux_layers(job.target, ecfg.checkpoint))
     numerics = None
     if target is not None:
         target, numerics = ecfg.numerics(target)

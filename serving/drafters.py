@@ -9,18 +9,27 @@ Design decisions:
   are written in step order, and this keeps serving free of the trainer's directory naming.
 - ``random`` is an untrained EAGLE-3 drafter for the target (τ ≈ 1; its step costs are a trained one's), so
   the arithmetic of eval and diagnose can be tested without training.
+- The drafter names the target layers it reads (:func:`with_drafter_aux_layers`), as it does for vLLM and SGLang:
+  a target loaded to evaluate a drafter captures that drafter's aux layers unless ``target.aux_layers`` says
+  otherwise, so a drafter trained on other layers than the default is evaluated without restating them.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, is_drafter_checkpoint, load_trained_drafter
+from eyas.serving.drafter import (
+    CONFIG_FILE,
+    DrafterConfig,
+    Eagle3Drafter,
+    is_drafter_checkpoint,
+    load_trained_drafter,
+)
 from eyas.serving.target import Target, aux_layer_problem
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
@@ -85,6 +94,29 @@ def resolve_drafter_dir(path: str | Path) -> tuple[Path, str]:
             )
         path, fmt = found, drafter_format(found)
     return path, fmt
+
+
+def drafter_aux_layers(path: str | Path) -> list[int] | None:
+    """The aux layer ids (eyas convention: the output of layer i) that the drafter at ``path`` (an export, a
+    trainer checkpoint or a training run's directory) reads; None when ``path`` holds no drafter."""
+    try:
+        d, fmt = resolve_drafter_dir(path)
+    except DrafterLoadError:
+        return None
+    if fmt == "trainer":
+        return [int(i) for i in json.loads((d / CONFIG_FILE).read_text())["aux_layer_ids"]]
+    from eyas.serving.export import describe_export
+
+    return [int(i) for i in describe_export(d)["aux_layers_sglang"]]
+
+
+def with_drafter_aux_layers(target_cfg, drafter_path: str | Path | None):
+    """``target_cfg`` (a :class:`serving.target.TargetConfig`) with ``aux_layers`` set to those of the drafter at
+    ``drafter_path`` when it leaves them unset (null); unchanged otherwise."""
+    if drafter_path is None or target_cfg.aux_layers is not None:
+        return target_cfg
+    aux = drafter_aux_layers(drafter_path)
+    return target_cfg if aux is None else replace(target_cfg, aux_layers=aux)
 
 
 @dataclass

@@ -41,6 +41,10 @@ from eyas.serving.kv_cache import SlotCache
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
+# The embedded target's aux layers: SGLang's [1, L//2-1, L-4] with the top one at L-2 (28 of 30), the highest a
+# serving engine captures. At the bench's data it gave +9% held-out τ at a third of an epoch (BENCH.md, "Aux
+# layers"); other targets keep SGLang's default until measured (target.aux_layers sets any).
+EMBEDDED_AUX_LAYERS = (1, 14, 28)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", EXACT)
 AUX_RULE = (
     "aux layer ids must be strictly increasing and lie in [0, L-2] for an L-layer target: SGLang and vLLM "
@@ -65,7 +69,8 @@ class TargetConfig:
     device: str = "auto"
     """``auto`` (cuda when present), ``cpu``, ``cuda``, ``cuda:N``."""
     aux_layers: list[int] | None = None
-    """Aux hidden-state layers in SGLang's convention (output of decoder layer i). None: [1, L//2-1, L-4]."""
+    """Aux hidden-state layers in SGLang's convention (output of decoder layer i). None: the embedded target's
+    :data:`EMBEDDED_AUX_LAYERS`, any other target's SGLang default [1, L//2-1, L-4]."""
     trust_remote_code: bool = False
     """Passed to transformers for models whose code lives on the hub."""
     attn_implementation: str = "sdpa"
@@ -87,6 +92,13 @@ class TargetConfig:
             problem = aux_layer_problem(self.aux_layers)
             if problem:
                 raise ConfigError(f"target.aux_layers: {problem}")
+
+    def chosen_aux_layers(self) -> list[int] | None:
+        """The aux layers to load the target with: ``aux_layers``, else the embedded target's measured choice,
+        else None (the target's depth decides: :func:`default_aux_layers`)."""
+        if self.aux_layers is not None:
+            return list(self.aux_layers)
+        return list(EMBEDDED_AUX_LAYERS) if self.path == EMBEDDED else None
 
 
 @dataclass(frozen=True)
@@ -448,7 +460,7 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
         ) from e
     model.to(device)
     log.info("target %s loaded: %s on %s in %s", name, type(model).__name__, device, dtype)
-    return Target(model, tokenizer, name=name, revision=cfg.revision, aux_layers=cfg.aux_layers)
+    return Target(model, tokenizer, name=name, revision=cfg.revision, aux_layers=cfg.chosen_aux_layers())
 
 
 def model_source(cfg: TargetConfig) -> tuple[str, str]:

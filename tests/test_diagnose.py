@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -280,6 +281,45 @@ def test_drafters_load_from_exports_and_trainer_checkpoints(tmp_path):
             assert torch.equal(loaded.drafter.state_dict()[name], value), (spec, name)
     with pytest.raises(DrafterLoadError, match="neither random, auto nor a directory"):
         load_drafter(str(tmp_path / "missing"), target)
+
+
+def test_a_target_loaded_for_a_drafter_reads_the_drafters_aux_layers(tmp_path):
+    """A drafter trained on other layers than the default (the embedded target's drafters read layer 28, not
+    L-4) is evaluated on a target that captures its layers without restating them, as vLLM and SGLang do."""
+    from eyas.serving.drafters import drafter_aux_layers, with_drafter_aux_layers
+    from eyas.serving.export import ExportConfig, export
+    from eyas.serving.proposers import Eagle3Proposer
+    from eyas.serving.target import TargetConfig, load_target
+    from eyas.serving.tiny import tiny_model
+    from eyas.train.checkpoint import save_weights
+
+    from .tokenizers import make_chat_tokenizer
+
+    tok = make_chat_tokenizer("chatml")
+    tiny_model("llama", seed=0, vocab_size=len(tok), num_layers=6).save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    base = TargetConfig(path=str(tmp_path / "target"), dtype="float32", device="cpu")
+    trained_on = load_target(replace(base, aux_layers=[1, 3, 4]))  # the 6-layer default is [0, 2, 4]
+    d = random_drafter(trained_on, 64, seed=3)
+    export(d, trained_on, tmp_path / "export", "speculators", config=ExportConfig(dtype="float32"))
+    ckpt = tmp_path / "train" / "best"
+    ckpt.mkdir(parents=True)
+    save_weights(ckpt, d.trainable_state_dict(), d.config.to_dict())
+    for where in (tmp_path / "export", tmp_path / "train"):
+        assert drafter_aux_layers(where) == [1, 3, 4], where
+        target = load_target(with_drafter_aux_layers(base, where))
+        assert target.aux_layers == (1, 3, 4)
+        Eagle3Proposer(load_drafter(str(where), target).drafter).check_target(target.info)
+    # the default target does not fit this drafter, and says how to make it fit
+    with pytest.raises(
+        ValueError, match=r"aux layers \[1, 3, 4\] vs the target's \[0, 2, 4\].*TargetConfig.aux_layers"
+    ):
+        Eagle3Proposer(d).check_target(load_target(base).info)
+    # layers the user set win; no drafter, or none there, leaves the config as it is
+    chosen = replace(base, aux_layers=[0, 2, 4])
+    assert with_drafter_aux_layers(chosen, tmp_path / "export") is chosen
+    assert with_drafter_aux_layers(base, None) is base
+    assert with_drafter_aux_layers(base, tmp_path / "missing") is base
 
 
 # -- one measured run ---------------------------------------------------------------------------------------------

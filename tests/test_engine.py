@@ -350,9 +350,9 @@ def test_vllm_extract_hidden_states_match_the_transformers_aux_states(tmp_path):
     from safetensors.torch import load_file
 
     from eyas.serving.embedded import ensure_embedded
-    from eyas.serving.target import TargetConfig, load_target
+    from eyas.serving.target import EMBEDDED_AUX_LAYERS, TargetConfig, load_target
 
-    eyas_ids = [1, 14, 26]
+    eyas_ids = list(EMBEDDED_AUX_LAYERS)  # [1, 14, 28]: vLLM captures 29, the input of the last layer
     spec = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -401,6 +401,21 @@ def test_vllm_extract_hidden_states_match_the_transformers_aux_states(tmp_path):
     hs = got["hidden_states"][: len(ids)].float()  # [T, 3, H]
     target = load_target(TargetConfig(dtype="bfloat16", device="cpu", aux_layers=eyas_ids))
     ref = target.forward(torch.tensor([ids]), logits="none").aux[0].float().view(len(ids), 3, -1)
-    for i in range(3):
+    with torch.no_grad():  # every layer's output, to tell the captured layer from its neighbours
+        every = [
+            h[0].float() for h in target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        ]
+    cos = torch.nn.functional.cosine_similarity
+    for i, layer in enumerate(eyas_ids):
         rel = ((hs[:, i] - ref[:, i]).norm() / ref[:, i].norm()).item()
-        assert rel < 0.02, f"aux layer {eyas_ids[i]}: relative L2 difference {rel:.4f}"
+        # bf16 rounding: per token about 2-4% of the norm at layers 26-28, cosine >= 0.998 (measured); the first
+        # token's large activation rounds to 0.5% at layer 26 and 2.9% at 28, and it dominates the total norm
+        assert rel < 0.05, f"aux layer {layer}: relative L2 difference {rel:.4f}"
+        own = cos(hs[:, i], ref[:, i], dim=-1)
+        assert own.min() > 0.995, f"aux layer {layer}: per-token cosine {own.min():.4f}"
+        for other in (layer, layer + 2):  # hidden_states[j] is layer j-1's output: the layers either side
+            if other < len(every) - 1:  # the last entry is after the final norm
+                off = ((hs[:, i] - every[other]).norm() / every[other].norm()).item()
+                assert off > 3 * rel, (
+                    f"aux layer {layer} is as close to layer {other - 1}'s output ({off:.4f})"
+                )

@@ -400,20 +400,23 @@ def test_vllm_backend_store_matches_the_transformers_backend(tmp_path):
     assert v.manifest.identity() == t.manifest.identity() and v.manifest.run == {"backend": "vllm"}
     a, h = len(target.info.aux_layers), target.info.hidden_size
     num, den = torch.zeros(a), torch.zeros(a)
-    agree, kl, n = 0, 0.0, 0
+    agree, kl, n, cos_min = 0, 0.0, 0, 1.0
     for i in range(len(samples)):
         x, y = v.rows(i).features, t.rows(i).features
         ax, ay = x["aux"].float().view(-1, a, h), y["aux"].float().view(-1, a, h)
         num += (ax - ay).pow(2).sum((0, 2))
         den += ay.pow(2).sum((0, 2))
+        cos_min = min(cos_min, float(torch.nn.functional.cosine_similarity(ax, ay, dim=-1).min()))
         lx = torch.log_softmax(target.head(x["hidden"]), -1)
         ly = torch.log_softmax(target.head(y["hidden"]), -1)
         agree += int((lx.argmax(-1) == ly.argmax(-1)).sum())
         kl += float((ly.exp() * (ly - lx)).sum())
         n += lx.shape[0]
     rel = (num / den).sqrt().tolist()
-    print(f"\nvLLM vs transformers on {n} tokens: aux rel L2 {[round(r, 4) for r in rel]} (layers {target.aux_layers}),"
+    print(f"\nvLLM vs transformers on {n} tokens: aux rel L2 {[round(r, 4) for r in rel]} (layers {target.aux_layers}), min cosine {cos_min:.4f},"
           f" teacher argmax agreement {agree / n:.4f}, mean KL(transformers || vLLM) {kl / n:.5f} nats,"
           f" extraction {res.tokens_per_s:.0f} tok/s (vLLM, server warm) vs {ref.tokens_per_s:.0f} tok/s")  # fmt: skip
-    assert max(rel) < 0.02, rel
+    # bf16 rounding: layers 1 and 14 within 1%; layer 28's total is ~3%, most of it the first token's large
+    # activation (per token 2-4% at layers 26-28 alike, tests/test_engine.py); a wrong layer is far off in cosine
+    assert max(rel) < 0.05 and cos_min > 0.99, (rel, cos_min)
     assert agree / n >= 0.95 and kl / n < 0.02

@@ -90,6 +90,17 @@ def test_default_aux_layers_follow_sglang_and_are_valid_for_every_depth():
         default_aux_layers(1)
 
 
+def test_the_embedded_target_reads_layer_28_on_top_and_other_targets_sglangs_default(tiny_target_dir):
+    from eyas.serving.target import EMBEDDED_AUX_LAYERS, TargetConfig, aux_layer_problem, load_target
+
+    assert TargetConfig().chosen_aux_layers() == [1, 14, 28] == list(EMBEDDED_AUX_LAYERS)
+    assert aux_layer_problem(EMBEDDED_AUX_LAYERS, 30) is None  # 28 = L-2: the highest an engine captures
+    assert TargetConfig(aux_layers=[1, 14, 26]).chosen_aux_layers() == [1, 14, 26]
+    other = TargetConfig(path=str(tiny_target_dir), dtype="float32", device="cpu")
+    assert other.chosen_aux_layers() is None
+    assert load_target(other).aux_layers == (0, 1, 2)  # default_aux_layers(4)
+
+
 def test_commit_keeps_written_rows_or_a_tree_path_and_refuses_unwritten_ones():
     from eyas.serving.kv_cache import SlotCache
 
