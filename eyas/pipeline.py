@@ -197,6 +197,20 @@ def stage_extract(
     return out, StageRecord("extract", str(out), time.perf_counter() - t0, res.shards_written == 0, facts)
 
 
+def train_key(store, dcfg, tcfg) -> str:
+    """The training run's directory name: the store's data (its shards' sha256, as the trainer's resume check
+    has it; the manifest identity alone names only the target), the drafter and the training settings. Two
+    stores of one target (the corpus's answers and the target's, say) must not share a run."""
+    return json_hash(
+        {
+            "store": store.manifest.identity(),
+            "shards": [sh.sha256 for sh in store.manifest.shards],
+            "drafter": asdict(dcfg),
+            "train": tcfg.identity(),
+        }
+    )
+
+
 def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path, target_cfg: TargetConfig):
     from dataclasses import replace
 
@@ -207,8 +221,7 @@ def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path, tar
 
     t0 = time.perf_counter()
     store = FeatureStore(store_dir, expect_target=target.info)
-    key = json_hash({"store": store.manifest.identity(), "drafter": asdict(dcfg), "train": tcfg.identity()})
-    out = work_dir / "train" / key
+    out = work_dir / "train" / train_key(store, dcfg, tcfg)
     data = replace(tcfg.data, source="store", store_dir=str(store_dir))
     tcfg = replace(tcfg, output_dir=str(out), data=data)
     res = run_train(TrainJob(target_cfg, dcfg, tcfg), target)

@@ -45,3 +45,26 @@ def test_speed_check_times_the_same_tokens_both_ways(tmp_path):
     assert check["check_extract_tokens_per_s"] > 0
     ratio = check["bare_forward_tokens_per_s"] / check["check_extract_tokens_per_s"]
     assert abs(check["extract_time_vs_bare_forward"] - ratio) < 0.01 * ratio + 1e-3
+
+
+def test_two_stores_of_one_target_train_in_separate_runs(tmp_path):
+    """The recipe study trains the same variant on the target's answers and on the corpus's: two stores of one
+    target, one manifest identity. Their runs must not share a directory (the trainer would refuse to resume the
+    other's checkpoint); the same store and settings must find their run again."""
+    from eyas.data.extract import extract
+    from eyas.data.store import FeatureStore
+    from eyas.pipeline import train_key
+    from eyas.train.config import DraftModelConfig, TrainConfig
+
+    target = make_tiny_target("llama")
+    cfg = ExtractConfig(store=StoreOptions(distribution="topk", topk=4), shard_size=4, progress=False)
+    samples = _samples(8, target.info.vocab_size)
+    extract(samples, target, tmp_path / "a", cfg)
+    extract(samples[:4] + _samples(12, target.info.vocab_size)[8:], target, tmp_path / "b", cfg)
+    extract(samples, target, tmp_path / "a2", cfg)
+    a, b, a2 = (FeatureStore(tmp_path / n, expect_target=target.info) for n in ("a", "b", "a2"))
+    assert a.manifest.identity() == b.manifest.identity()  # what the key held alone before
+    d, t = DraftModelConfig(), TrainConfig()
+    assert train_key(a, d, t) != train_key(b, d, t)
+    assert train_key(a, d, t) == train_key(a2, d, t)  # same data, same settings: the run resumes
+    assert train_key(a, d, t) != train_key(a, d, TrainConfig(lr=3e-3))
