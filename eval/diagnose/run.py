@@ -71,9 +71,8 @@ def run(cfg: DiagnoseConfig, command: str = "") -> int:
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    drafter_dir = (
-        None  # the drafter names the target layers it reads (serving.drafters.with_drafter_aux_layers)
-    )
+    # the drafter names the target layers it reads (serving.drafters.with_drafter_aux_layers)
+    drafter_dir = None
     if cfg.uses_drafter and cfg.drafter not in (None, "random"):
         drafter_dir = find_drafter(cfg.runs_dir) if cfg.drafter == "auto" else cfg.drafter
     result = diagnose(load_target(with_drafter_aux_layers(cfg.target, drafter_dir)), cfg)
