@@ -451,6 +451,11 @@ class Manifest:
             "shard_size": self.shard_size,
         }
 
+    def data_identity(self) -> dict[str, Any]:
+        """What names the data a training run reads: the layout (:meth:`identity`, which names only the target
+        and settings) and the shards' sha256. Two stores of one target with other samples differ here."""
+        return {"store": self.identity(), "shards": [sh.sha256 for sh in self.shards]}
+
     @property
     def store_options(self) -> StoreOptions:
         return StoreOptions.from_dict(self.options)

@@ -198,17 +198,10 @@ def stage_extract(
 
 
 def train_key(store, dcfg, tcfg) -> str:
-    """The training run's directory name: the store's data (its shards' sha256, as the trainer's resume check
-    has it; the manifest identity alone names only the target), the drafter and the training settings. Two
-    stores of one target (the corpus's answers and the target's, say) must not share a run."""
-    return json_hash(
-        {
-            "store": store.manifest.identity(),
-            "shards": [sh.sha256 for sh in store.manifest.shards],
-            "drafter": asdict(dcfg),
-            "train": tcfg.identity(),
-        }
-    )
+    """The training run's directory name: the store's data (``Manifest.data_identity``, what the trainer's
+    resume check compares), the drafter and the training settings. Two stores of one target (the corpus's
+    answers and the target's, say) must not share a run."""
+    return json_hash({**store.manifest.data_identity(), "drafter": asdict(dcfg), "train": tcfg.identity()})
 
 
 def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path, target_cfg: TargetConfig):

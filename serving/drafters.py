@@ -96,6 +96,20 @@ def resolve_drafter_dir(path: str | Path) -> tuple[Path, str]:
     return path, fmt
 
 
+def spec_path(spec: str, runs_dir: str | Path = "runs") -> Path:
+    """The directory a drafter spec other than ``random`` names: ``auto`` is the newest drafter under
+    ``runs_dir`` (:class:`DrafterLoadError` when there is none), anything else a path."""
+    if spec != "auto":
+        return Path(spec)
+    found = find_drafter(runs_dir)
+    if found is None:
+        raise DrafterLoadError(
+            f"drafter=auto: no exported or trained drafter under {runs_dir}/; train and export one "
+            "(python -m eyas.train ...), point drafter= at a checkpoint, or use drafter=random"
+        )
+    return found
+
+
 def drafter_aux_layers(path: str | Path) -> list[int] | None:
     """The aux layer ids (eyas convention: the output of layer i) that the drafter at ``path`` (an export, a
     trainer checkpoint or a training run's directory) reads; None when ``path`` holds no drafter."""
@@ -110,12 +124,17 @@ def drafter_aux_layers(path: str | Path) -> list[int] | None:
     return [int(i) for i in describe_export(d)["aux_layers_sglang"]]
 
 
-def with_drafter_aux_layers(target_cfg, drafter_path: str | Path | None):
-    """``target_cfg`` (a :class:`serving.target.TargetConfig`) with ``aux_layers`` set to those of the drafter at
-    ``drafter_path`` when it leaves them unset (null); unchanged otherwise."""
-    if drafter_path is None or target_cfg.aux_layers is not None:
+def with_drafter_aux_layers(target_cfg, drafter: str | Path | None, runs_dir: str | Path = "runs"):
+    """``target_cfg`` (a :class:`serving.target.TargetConfig`) with ``aux_layers`` set to those of the drafter
+    ``drafter`` names (a directory, or a :func:`load_drafter` spec) when it leaves them unset (null); unchanged
+    otherwise, and for ``random``, ``None`` or a spec that names no drafter (loading it reports that)."""
+    if drafter is None or str(drafter) == "random" or target_cfg.aux_layers is not None:
         return target_cfg
-    aux = drafter_aux_layers(drafter_path)
+    try:
+        path = spec_path(str(drafter), runs_dir)
+    except DrafterLoadError:
+        return target_cfg
+    aux = drafter_aux_layers(path)
     return target_cfg if aux is None else replace(target_cfg, aux_layers=aux)
 
 
@@ -145,15 +164,7 @@ def load_drafter(
     under ``runs_dir``), an export, a trainer checkpoint or a training run's output directory."""
     if spec == "random":
         return LoadedDrafter(random_drafter(target, draft_vocab_size, seed), "random", False)
-    path = Path(spec)
-    if spec == "auto":
-        found = find_drafter(runs_dir)
-        if found is None:
-            raise DrafterLoadError(
-                f"drafter=auto: no exported or trained drafter under {runs_dir}/; train and export one "
-                "(python -m eyas.train ...), point drafter= at a checkpoint, or use drafter=random"
-            )
-        path = found
+    path = spec_path(spec, runs_dir)
     if not path.is_dir():
         raise DrafterLoadError(f"drafter {spec!r} is neither random, auto nor a directory")
     path, fmt = resolve_drafter_dir(path)

@@ -320,6 +320,10 @@ def test_a_target_loaded_for_a_drafter_reads_the_drafters_aux_layers(tmp_path):
     assert with_drafter_aux_layers(chosen, tmp_path / "export") is chosen
     assert with_drafter_aux_layers(base, None) is base
     assert with_drafter_aux_layers(base, tmp_path / "missing") is base
+    # load_drafter's specs: auto is the newest drafter under runs_dir; random (or auto over nothing) reads none
+    assert with_drafter_aux_layers(base, "auto", tmp_path).aux_layers == [1, 3, 4]
+    assert with_drafter_aux_layers(base, "auto", tmp_path / "missing") is base
+    assert with_drafter_aux_layers(base, "random") is base
 
 
 # -- one measured run ---------------------------------------------------------------------------------------------

@@ -215,11 +215,7 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
                 world_size=world,
             )
 
-        identity = {
-            "source": "store",
-            "store": store.manifest.identity(),
-            "shards": [sh.sha256 for sh in store.manifest.shards],
-        }
+        identity = {"source": "store", **store.manifest.data_identity()}
     else:
         from eyas.data.extract import check_tokenizer, inputs_fingerprint, read_samples_jsonl
         from eyas.data.online import online_loader

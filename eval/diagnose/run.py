@@ -11,7 +11,7 @@ from eyas.eval.diagnose.contexts import ContextPrompts, build_prompts
 from eyas.eval.diagnose.measure import check_contexts, measure
 from eyas.eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_messages  # noqa: F401
 from eyas.serving.drafter import Eagle3Drafter
-from eyas.serving.drafters import LoadedDrafter, find_drafter, load_drafter, with_drafter_aux_layers
+from eyas.serving.drafters import LoadedDrafter, load_drafter, with_drafter_aux_layers
 from eyas.serving.proposers import Proposer
 from eyas.serving.target import Target
 
@@ -72,10 +72,8 @@ def run(cfg: DiagnoseConfig, command: str = "") -> int:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     # the drafter names the target layers it reads (serving.drafters.with_drafter_aux_layers)
-    drafter_dir = None
-    if cfg.uses_drafter and cfg.drafter not in (None, "random"):
-        drafter_dir = find_drafter(cfg.runs_dir) if cfg.drafter == "auto" else cfg.drafter
-    result = diagnose(load_target(with_drafter_aux_layers(cfg.target, drafter_dir)), cfg)
+    drafter = cfg.drafter if cfg.uses_drafter else None
+    result = diagnose(load_target(with_drafter_aux_layers(cfg.target, drafter, cfg.runs_dir)), cfg)
     path = write_report(result, cfg.out_dir, command or None)
     print_summary(result, path)
     return 1 if result.flagged else 0
