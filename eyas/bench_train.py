@@ -8,7 +8,8 @@ Tokens/s counts every sequence token of a step (SpecForge's convention), from th
 after ``warmup`` steps. Peak memory is the resident set of the training process (sampled every 20 ms), with
 the part above the pre-training baseline (inputs, head and embedding already loaded) shown separately.
 ``bench_train.attention=[block,dense]`` times the TTT attention alone instead (7 unroll steps, forward and backward, SmolLM2's heads):
-the block-wise :func:`serving.ttt_attention.ttt_attention` against the dense-mask reference, per row length.
+the trainer's :func:`serving.ttt_attention.ttt_attention` (``block``: one call over a short row, blocks over a long
+one, checkpointed beyond ~1.4k tokens) against the dense-mask reference, per row length.
 
 Design decisions:
 - The target runs once in the parent to make the features (as a bf16 feature store would hold them); each

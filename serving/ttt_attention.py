@@ -9,10 +9,14 @@ Design decisions:
 - Queries are processed in blocks of ``block`` rows. A block's keys are the step-0 keys from the earliest
   sample start among its rows up to its last row (causal: nothing later is ever visible), followed by the
   block's own diagonal keys of steps ``1..j``; its mask is built from segment ids and indices for that block
-  only (the index form). Nothing of size ``T x T`` exists at any time.
-- Each block runs the fused ``scaled_dot_product_attention`` kernel and, when gradients are needed, sits under
-  activation checkpointing: the backward recomputes one block at a time, so what the unroll keeps between
-  forward and backward is q/k/v and the outputs (linear in T), not the attention probabilities.
+  only (the index form). Nothing of size ``T x T`` exists at any time for a long row.
+- A short row (:data:`DENSE_MAX_SCORES`) skips the blocks: one fused call at step 0 and the dense form after
+  it, whose ``T x T`` scores are small there and faster than many small calls.
+- Each block runs the fused ``scaled_dot_product_attention`` kernel and, when gradients are needed for a long
+  row (:data:`CHECKPOINT_MIN_SCORES`), sits under activation checkpointing: the backward recomputes one block at
+  a time, so what the unroll keeps between forward and backward is q/k/v and the outputs (linear in T), not the
+  attention probabilities. Shorter rows keep what each block made: recomputing it would cost more time than
+  keeping it costs memory.
 - The diagonal is appended as ``j * block`` extra key columns with a block-diagonal mask. That wastes
   ``j * block`` columns per block (small next to the causal prefix) and keeps one kernel call per block.
 - :func:`dense_ttt_attention` is the reference (the whole mask at once); tests check the two agree in values
@@ -27,6 +31,18 @@ from torch.utils.checkpoint import checkpoint
 
 DEFAULT_BLOCK = 128
 """Query rows per block: large enough for efficient kernels, small enough that ``block x T`` scores are cheap."""
+
+DENSE_MAX_SCORES = 1 << 22
+"""Rows whose scores (``B * heads * T * T``) fit in this many elements (up to ~680 tokens of a 9-head drafter) run
+as one call over the whole row instead of blocks: 512-token rows train ~12% faster that way (``eyas.bench_train``
+on 2 CPU cores), while at 1,024 tokens the blocks are 2.5x faster than the dense form."""
+
+CHECKPOINT_MIN_SCORES = 1 << 24
+"""Checkpoint the blocks only when one step's scores (``B * heads * T * T``) exceed this many elements (64 MiB in
+fp32, ~1.4k-token rows of a 9-head drafter). Below it the backward keeps what each block made (its mask and
+concatenated keys; the fused kernel keeps no probabilities) instead of running the block again: that
+recomputation cost 25% of the attention's time at 512 tokens (273 against 206 ms, ``eyas.bench_train
+bench_train.attention=[block]``), and what is kept stays small at these lengths."""
 
 
 def segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -101,6 +117,12 @@ def ttt_attention(
     ``segment_ids`` (computed when not given). Returns [B, h, T, d].
     """
     t = q.shape[2]
+    if q.shape[0] * q.shape[1] * t * t <= DENSE_MAX_SCORES:
+        # a short row: one call over the whole row (the fused kernel at step 0, the dense reference with the
+        # diagonal after it) is faster than blocks
+        if keys:
+            return dense_ttt_attention(q, k0, v0, keys, values, segment_ids, scale)
+        block = t
     if starts is None:
         starts = segment_starts(segment_ids)
     # starts never decrease along a row: a block's earliest visible key is the earliest start of its first row
@@ -108,10 +130,11 @@ def ttt_attention(
     diag_k = torch.stack(keys, dim=3) if keys else None  # [B, kv, T, j, d]
     diag_v = torch.stack(values, dim=3) if values else None
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k0, v0, *keys, *values))
+    ckpt = grad and q.shape[0] * q.shape[1] * t * t > CHECKPOINT_MIN_SCORES  # recompute only what is large
     outs = []
     for i, a in enumerate(range(0, t, block)):
         args = (q, k0, v0, diag_k, diag_v, segment_ids, (a, min(a + block, t), first[i]), scale)
-        outs.append(checkpoint(_block, *args, use_reentrant=False) if grad else _block(*args))
+        outs.append(checkpoint(_block, *args, use_reentrant=False) if ckpt else _block(*args))
     return torch.cat(outs, dim=2)
 
 

@@ -1,6 +1,7 @@
 """The block-wise TTT attention (serving.ttt_attention) against the dense-mask reference: values and gradients of
-the attention alone and of the whole drafter unroll, on packed rows with padding and grouped heads; and what the
-unroll keeps for the backward grows linearly with the row length."""
+the attention alone (each of its three paths: whole row, blocks, checkpointed blocks) and of the whole drafter
+unroll, on packed rows with padding and grouped heads; which path a row's size takes; and what the unroll keeps
+for the backward grows linearly with the row length."""
 
 from __future__ import annotations
 
@@ -8,10 +9,37 @@ import pytest
 import torch
 
 import eyas.serving.drafter as drafter_module
+import eyas.serving.ttt_attention as ttt_module
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
 from eyas.serving.ttt_attention import dense_ttt_attention, segment_starts, ttt_attention
 
 B, HEADS, KV, D = 2, 4, 2, 8
+
+# (DENSE_MAX_SCORES, CHECKPOINT_MIN_SCORES) that send every row down one path
+PATHS = {"whole": (1 << 62, 1 << 62), "blocks": (-1, 1 << 62), "checkpointed": (-1, -1)}
+
+
+def _take(monkeypatch, path: str) -> dict[str, int]:
+    """Send every row down ``path``; returns call counts of the dense form and of checkpointing."""
+    dense_max, ckpt_min = PATHS[path]
+    monkeypatch.setattr(ttt_module, "DENSE_MAX_SCORES", dense_max)
+    monkeypatch.setattr(ttt_module, "CHECKPOINT_MIN_SCORES", ckpt_min)
+    return _spy(monkeypatch)
+
+
+def _spy(monkeypatch) -> dict[str, int]:
+    calls = {"dense": 0, "checkpoint": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(ttt_module, "dense_ttt_attention", counted("dense", ttt_module.dense_ttt_attention))
+    monkeypatch.setattr(ttt_module, "checkpoint", counted("checkpoint", ttt_module.checkpoint))
+    return calls
 
 
 def _segments(t: int) -> torch.Tensor:
@@ -26,8 +54,10 @@ def test_segment_starts():
     assert segment_starts(seg).tolist() == [[0, 0, 2, 2, 2, 5, 6], [0] * 7]
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("block", [4, 7, 64])
-def test_block_attention_equals_dense_in_values_and_gradients(block):
+def test_block_attention_equals_dense_in_values_and_gradients(block, path, monkeypatch):
+    calls = _take(monkeypatch, path)
     t = 29
     g = torch.Generator().manual_seed(block)
     seg = _segments(t)
@@ -47,6 +77,25 @@ def test_block_attention_equals_dense_in_values_and_gradients(block):
         g_ref = torch.autograd.grad((ref * w).sum(), inputs)
         for a, b in zip(g_got, g_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert (calls["dense"] > 0) == (path == "whole"), calls  # steps 1..3 of a whole row are the dense form
+    assert (calls["checkpoint"] > 0) == (path == "checkpointed"), calls
+
+
+def test_row_size_picks_the_path(monkeypatch):
+    """Defaults: whole-row up to DENSE_MAX_SCORES scores, blocks above it, checkpointed above CHECKPOINT_MIN_SCORES."""
+    calls = _spy(monkeypatch)
+
+    def run(t: int) -> dict[str, int]:
+        calls.update(dense=0, checkpoint=0)
+        q, k0, v0, k1, v1 = (torch.zeros(1, 1, t, 2, requires_grad=True) for _ in range(5))
+        ttt_attention(q, k0, v0, [k1], [v1], torch.ones(1, t, dtype=torch.long), 1.0)
+        return dict(calls)
+
+    side = int(ttt_module.DENSE_MAX_SCORES**0.5)  # rows of t tokens have t * t scores at B = heads = 1
+    assert run(side) == {"dense": 1, "checkpoint": 0}
+    assert run(side + 1) == {"dense": 0, "checkpoint": 0}
+    big = int(ttt_module.CHECKPOINT_MIN_SCORES**0.5) + 1
+    assert run(big)["checkpoint"] > 0 and calls["dense"] == 0
 
 
 def _drafter() -> Eagle3Drafter:
@@ -90,7 +139,9 @@ def _unroll(d: Eagle3Drafter, t: int, steps: int = 4):
     return out, {n: p.grad.clone() for n, p in d.named_parameters() if p.requires_grad}
 
 
-def test_forward_ttt_equals_dense_mask_unroll(monkeypatch):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_forward_ttt_equals_dense_mask_unroll(path, monkeypatch):
+    _take(monkeypatch, path)
     d = _drafter()
     got, g_got = _unroll(d, 45)
     monkeypatch.setattr(drafter_module, "ttt_attention", _dense)
@@ -115,6 +166,9 @@ def _saved_bytes(d: Eagle3Drafter, t: int) -> int:
 
 
 def test_unroll_memory_is_linear_in_row_length(monkeypatch):
+    _take(
+        monkeypatch, "checkpointed"
+    )  # what long rows take (short ones keep their scores: CHECKPOINT_MIN_SCORES)
     d = _drafter()
     small, large = _saved_bytes(d, 256), _saved_bytes(d, 1024)
     assert large / small < 4.5, (small, large)  # 4x the tokens: linear, not 16x
