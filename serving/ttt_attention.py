@@ -117,7 +117,8 @@ def ttt_attention(
     ``segment_ids`` (computed when not given). Returns [B, h, T, d].
     """
     t = q.shape[2]
-    if q.shape[0] * q.shape[1] * t * t <= DENSE_MAX_SCORES:
+    scores = q.shape[0] * q.shape[1] * t * t  # one step's score count: which path this row takes
+    if scores <= DENSE_MAX_SCORES:
         # a short row: one call over the whole row (the fused kernel at step 0, the dense reference with the
         # diagonal after it) is faster than blocks
         if keys:
@@ -130,7 +131,7 @@ def ttt_attention(
     diag_k = torch.stack(keys, dim=3) if keys else None  # [B, kv, T, j, d]
     diag_v = torch.stack(values, dim=3) if values else None
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k0, v0, *keys, *values))
-    ckpt = grad and q.shape[0] * q.shape[1] * t * t > CHECKPOINT_MIN_SCORES  # recompute only what is large
+    ckpt = grad and scores > CHECKPOINT_MIN_SCORES  # recompute only what is large
     outs = []
     for i, a in enumerate(range(0, t, block)):
         args = (q, k0, v0, diag_k, diag_v, segment_ids, (a, min(a + block, t), first[i]), scale)
