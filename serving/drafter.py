@@ -291,11 +291,14 @@ class TTTOutput:
     """Result of a training-time-test unroll over whole sequences.
 
     ``hidden[j]`` is the pre-norm output of unroll step ``j`` ([B, T, H]); row ``t`` of step ``j`` predicts
-    ``x_{t+j+2}``. ``valid[j]`` ([B, T] bool) marks rows whose inputs lie inside their own sample.
+    ``x_{t+j+2}``. ``valid[j]`` ([B, T] bool) marks rows whose inputs lie inside their own sample. ``fused``
+    ([B, T, H]) is step 0's hidden input, ``fc`` of the target's aux states: what a context row at that position
+    carries, and so what step ``j``'s output at row ``t`` stands in for at position ``t + j + 1``.
     """
 
     hidden: list[torch.Tensor]
     valid: list[torch.Tensor]
+    fused: torch.Tensor | None = None
 
 
 class Eagle3Drafter(nn.Module):
@@ -440,7 +443,7 @@ class Eagle3Drafter(nn.Module):
         attn = self.midlayer.self_attn
         rows = torch.arange(t, device=dev)
         starts = segment_starts(segment_ids)
-        h = self.fuse(aux)
+        h = fused = self.fuse(aux)
         main: list[torch.Tensor] = []  # step 0's keys and values: the causal prefix every step reads
         keys: list[torch.Tensor] = []  # steps 1..j: each row sees only its own (the diagonal)
         values: list[torch.Tensor] = []
@@ -464,7 +467,7 @@ class Eagle3Drafter(nn.Module):
             h = self.midlayer(e, h, cos, sin, attend)
             hidden_out.append(h)
             valid_out.append(valid)
-        return TTTOutput(hidden=hidden_out, valid=valid_out)
+        return TTTOutput(hidden=hidden_out, valid=valid_out, fused=fused)
 
 
 # -- trained checkpoints (the trainer's format; serving/export.py writes the SGLang/vLLM one) -----------------------

@@ -11,6 +11,7 @@ import torch
 from eyas.data.types import Batch
 from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
 from eyas.serving.target import TargetHead
+from eyas.train.config import TrainConfig
 from eyas.train.losses import (
     ChainCounts,
     DistillationModel,
@@ -323,3 +324,68 @@ def test_teacher_temperature_sharpens_the_hidden_teacher_and_keeps_its_argmax():
     torch.testing.assert_close(sharp.probs, torch.softmax(logits / 0.5, dim=-1))
     assert torch.equal(sharp.draft_argmax, plain.draft_argmax) and torch.equal(sharp.in_vocab, plain.in_vocab)
     assert (sharp.probs.max(-1).values >= plain.probs.max(-1).values - 1e-6).all()
+
+
+def _direct_feature_term(drafter, out, batch, head, weights):
+    """The feature term, one row at a time: step j's output at row t against fc(aux) of position t + j + 1,
+    both RMS-normalised (target side detached), smooth-L1 averaged over the width, on the rows ttt_loss trains."""
+    b_, t_ = batch.input_ids.shape
+    seg, lm = batch.segment_ids, batch.loss_mask
+    in_draft = set(DRAFT.tolist())
+    fused = drafter.fuse(batch.aux).detach()
+    total = torch.zeros(())
+    for b in range(b_):
+        for t in range(t_):
+            for j in range(len(weights)):
+                p, q = t + j + 1, t + j + 2
+                if q >= t_ or seg[b, t] == 0 or seg[b, q] != seg[b, t] or not lm[b, q]:
+                    continue
+                if int(head(batch.target_hidden[b, p][None])[0].argmax()) not in in_draft:
+                    continue  # dropped from the distribution loss, so from this term too
+                pred = out.hidden[j][b, t]
+                pred = pred / pred.pow(2).mean().add(torch.finfo(torch.float32).eps).sqrt()
+                tgt = fused[b, p] / fused[b, p].pow(2).mean().add(torch.finfo(torch.float32).eps).sqrt()
+                d = (pred - tgt).abs()
+                total = total + weights[j] * torch.where(d < 1, 0.5 * d * d, d - 0.5).mean()
+    return total
+
+
+def test_feature_term_equals_direct_computation_and_stays_out_of_evaluation():
+    batch, head = _packed_batch(seed=5)
+    weights = [0.8**j for j in range(K)]
+    maps = VocabMaps.from_draft_ids(DRAFT, V)
+    teacher = build_teacher(batch, maps, form="hidden", oov_rule="teacher", head=head, keep_oov=False)
+    normalizer = float(build_teacher(batch, maps, head=head).num_positions)
+    args = (batch.input_ids, batch.aux, batch.position_ids, batch.segment_ids, teacher, normalizer)
+    drafter = _drafter(seed=2)
+    plain = DistillationModel(drafter, weights)(*args)
+    model = DistillationModel(drafter, weights, feature_weight=0.7)
+    out = model(*args)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+    drafter.zero_grad()
+    ttt = drafter.forward_ttt(batch.input_ids, batch.aux, K, batch.position_ids, batch.segment_ids)
+    ce, _, _, _ = _direct_loss(drafter, ttt, batch, head, weights)
+    feat = _direct_feature_term(drafter, ttt, batch, head, weights)
+    assert float(feat.detach()) > 0
+    torch.testing.assert_close(out.feature_sum, feat.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, plain.loss + 0.7 * feat / normalizer, rtol=1e-5, atol=1e-6)
+    (ce + 0.7 * feat / normalizer).backward()
+    for n, p in drafter.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    with torch.no_grad():  # evaluation scores the distribution only
+        ev = model(*args[:-2], build_teacher(batch, maps, head=head), normalizer, with_chain=True)
+        ev_plain = DistillationModel(drafter, weights)(
+            *args[:-2], build_teacher(batch, maps, head=head), normalizer, with_chain=True
+        )
+    assert ev.feature_sum is None
+    torch.testing.assert_close(ev.loss, ev_plain.loss)
+
+
+def test_feature_weight_is_validated_and_off_by_default_in_the_identity():
+    assert TrainConfig().feature_weight == 0.0
+    assert "feature_weight" not in TrainConfig().identity()
+    assert TrainConfig(feature_weight=0.5).identity()["feature_weight"] == 0.5
+    with pytest.raises(ValueError, match="feature_weight"):
+        TrainConfig(feature_weight=-1.0)

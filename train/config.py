@@ -211,6 +211,10 @@ class TrainConfig:
     """Keep the drafter's ``lm_head`` as it was built (with ``drafter.init=target``: the target head's draft rows)
     and train only the layer, ``fc`` and norms, so the drafter learns to land in the target's own output space
     (EAGLE-1 shares the target's head this way). Saves the head's weight gradient."""
+    feature_weight: float = 0.0
+    """Weight of the feature term (``train.losses.DistillationModel``): each TTT step's output pulled towards the
+    fused features of the position it stands in for at the next step. 0 (the default) leaves the distribution
+    loss alone."""
     precision: str = "auto"
     """``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (autocast; on CPU too)."""
     bf16_lm_head: bool = False
@@ -269,6 +273,8 @@ class TrainConfig:
             raise ValueError(f"train.teacher must be one of {TEACHERS}, not {self.teacher!r}")
         if not self.teacher_temperature > 0:
             raise ValueError(f"train.teacher_temperature must be > 0, not {self.teacher_temperature}")
+        if not self.feature_weight >= 0:
+            raise ValueError(f"train.feature_weight must be >= 0, not {self.feature_weight}")
         if self.oov_rule not in OOV_RULES:
             raise ValueError(f"train.oov_rule must be one of {OOV_RULES}, not {self.oov_rule!r}")
         if self.precision not in PRECISIONS:
@@ -312,6 +318,8 @@ class TrainConfig:
         d["betas"] = list(self.betas)
         if not d["freeze_lm_head"]:
             del d["freeze_lm_head"]  # runs from before the option keep their identity
+        if not d["feature_weight"]:
+            del d["feature_weight"]  # likewise
         return d
 
 

@@ -401,7 +401,9 @@ def fit(
     )
 
     drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
-    model = DistillationModel(drafter, cfg.step_weights, bf16_head=cfg.bf16_lm_head)
+    model = DistillationModel(
+        drafter, cfg.step_weights, bf16_head=cfg.bf16_lm_head, feature_weight=cfg.feature_weight
+    )
     optimizer = torch.optim.AdamW(
         _param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
@@ -612,6 +614,7 @@ class _Window:
     def reset(self) -> None:
         z = lambda: torch.zeros(self.k, device=self.dev)  # noqa: E731
         self.ce, self.count, self.correct = z(), z(), z()
+        self.feature = torch.zeros(1, device=self.dev)
         self.tokens = 0
         self.n_supervised = 0.0
         self.data_s = self.compute_s = 0.0
@@ -621,6 +624,8 @@ class _Window:
         self.ce += out.ce_sum
         self.count += out.count
         self.correct += out.correct
+        if out.feature_sum is not None:
+            self.feature += out.feature_sum
         self.tokens += tokens
 
     def flush(self, accelerator, w: torch.Tensor) -> dict[str, Any]:
@@ -628,7 +633,13 @@ class _Window:
         flat = _sum(
             accelerator,
             torch.cat(
-                [self.ce, self.count, self.correct, torch.tensor([float(self.tokens)], device=self.dev)]
+                [
+                    self.ce,
+                    self.count,
+                    self.correct,
+                    torch.tensor([float(self.tokens)], device=self.dev),
+                    self.feature,
+                ]
             ),
         )
         k = self.k
@@ -645,5 +656,7 @@ class _Window:
             "compute_s": self.compute_s,
             "data_wait_frac": self.data_s / wall if wall > 0 else 0.0,
         }
+        if float(flat[3 * k + 1]) > 0:
+            rec["feature_loss"] = float(flat[3 * k + 1]) / max(n_sup, 1.0)
         self.reset()
         return rec

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eyas.data.types import Batch
@@ -281,6 +282,9 @@ class LossOutput:
     count: torch.Tensor  # [K] loss rows per step
     correct: torch.Tensor  # [K] loss rows whose draft argmax == teacher draft argmax
     chain: ChainCounts | None = None
+    feature_sum: torch.Tensor | None = (
+        None  # scalar, detached: sum_j w_j sum_rows of the feature term (if on)
+    )
 
 
 def ttt_loss(
@@ -375,19 +379,50 @@ def _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer)
     )
 
 
+def feature_loss(out: TTTOutput, teacher: Teacher, step_weights: list[float]) -> torch.Tensor:
+    """``sum_j w_j sum_rows`` of the feature term (see :class:`DistillationModel`), over the loss rows of
+    :func:`ttt_loss`: step ``j``'s output at row ``t``, RMS-normalised, against the fused features of position
+    ``p = t + j + 1`` (``out.fused``, detached), RMS-normalised; smooth-L1 averaged over the width."""
+    if out.fused is None:
+        raise ValueError("the feature term needs the unroll's fused inputs (TTTOutput.fused)")
+    width = (out.fused.shape[-1],)
+    target = F.rms_norm(out.fused.detach()[teacher.row_b, teacher.row_p].float(), width)  # [N, H]
+    total = torch.zeros((), dtype=torch.float32, device=target.device)
+    for j, weight in enumerate(step_weights):
+        t_n = teacher.row_p - (j + 1)
+        t_c = t_n.clamp(min=0)
+        w = (t_n >= 0) & out.valid[j][teacher.row_b, t_c] & teacher.in_vocab  # the rows ttt_loss trains
+        pred = F.rms_norm(out.hidden[j][teacher.row_b, t_c].float(), width)
+        per_row = F.smooth_l1_loss(pred, target, reduction="none").mean(-1)
+        total = total + weight * (per_row * w).sum()
+    return total
+
+
 class DistillationModel(nn.Module):
     """The drafter plus its loss, as one module: what accelerate / DeepSpeed wrap (ZeRO-3 gathers parameters
     in module hooks, so every parameter use happens inside this forward).
 
     ``bf16_head`` runs only the drafter's ``lm_head`` under bf16 autocast (the TTT layer stays in the ambient
     precision): on CPUs with bf16 units that matmul dominates the step and runs ~4x faster in bf16.
+
+    ``feature_weight`` > 0 adds a feature term to the training loss (not to evaluation's): each step's output at
+    row ``t`` is fed to the next step as the hidden of position ``t + j + 1``, where a context row carries
+    ``fc(aux)``; the term pulls the one towards the other (both RMS-normalised, the target side detached), a
+    dense signal per token beside the distribution's, in the spirit of EAGLE-1's feature regression.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, step_weights: list[float], bf16_head: bool = False):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        step_weights: list[float],
+        bf16_head: bool = False,
+        feature_weight: float = 0.0,
+    ):
         super().__init__()
         self.drafter = drafter
         self.step_weights = list(step_weights)
         self.bf16_head = bf16_head
+        self.feature_weight = float(feature_weight)
 
     def forward(
         self,
@@ -403,4 +438,9 @@ class DistillationModel(nn.Module):
             input_ids, aux, steps=len(self.step_weights), position_ids=position_ids, segment_ids=segment_ids
         )
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.bf16_head):
-            return ttt_loss(self.drafter, out, teacher, input_ids, self.step_weights, normalizer, with_chain)
+            res = ttt_loss(self.drafter, out, teacher, input_ids, self.step_weights, normalizer, with_chain)
+        if self.feature_weight > 0 and not with_chain:
+            feat = feature_loss(out, teacher, self.step_weights)
+            res.loss = res.loss + self.feature_weight * feat / normalizer
+            res.feature_sum = feat.detach()
+        return res
