@@ -84,6 +84,19 @@ def _drafter(seed: int = 0) -> Eagle3Drafter:
     return d
 
 
+def _loss_rows(batch, k):
+    """(b, t, j, p, q) of every TTT row that carries loss: step j, row t predicts x_q (q = t + j + 2) from the
+    teacher at p = t + j + 1, inside row t's sample, where x_q is a loss token."""
+    b_, t_ = batch.input_ids.shape
+    seg, lm = batch.segment_ids, batch.loss_mask
+    for b in range(b_):
+        for t in range(t_):
+            for j in range(k):
+                p, q = t + j + 1, t + j + 2
+                if q < t_ and seg[b, t] != 0 and seg[b, q] == seg[b, t] and lm[b, q]:
+                    yield b, t, j, p, q
+
+
 def _direct_loss(drafter, out, batch, head, weights, oov_rule="teacher"):
     """The spec, one row at a time: TTT step j, row t predicts x_{t+j+2} from the teacher at t+j+1."""
     b_, t_ = batch.input_ids.shape
@@ -92,28 +105,19 @@ def _direct_loss(drafter, out, batch, head, weights, oov_rule="teacher"):
     total = torch.zeros(())
     rows = dropped = 0
     per_row: dict[tuple[int, int, int], tuple[bool, bool]] = {}  # (b, t, j) -> (correct, data follows argmax)
-    for b in range(b_):
-        for t in range(t_):
-            for j in range(len(weights)):
-                p, q = t + j + 1, t + j + 2
-                if q >= t_ or seg[b, t] == 0 or seg[b, q] != seg[b, t] or not lm[b, q]:
-                    continue
-                full = head(batch.target_hidden[b, p][None])[0]  # [V]
-                top = int(full.argmax())
-                oov = (
-                    (top not in in_draft)
-                    if oov_rule == "teacher"
-                    else (int(batch.input_ids[b, q]) not in in_draft)
-                )
-                z = drafter.logits(out.hidden[j][b, t][None])[0]
-                probs = torch.softmax(full[DRAFT], -1)
-                correct = (not oov) and int(z.argmax()) == int(probs.argmax())
-                per_row[(b, t, j)] = (correct, int(batch.input_ids[b, q]) == top)
-                if oov:
-                    dropped += 1
-                    continue
-                total = total + weights[j] * -(probs * torch.log_softmax(z, -1)).sum()
-                rows += 1
+    for b, t, j, p, q in _loss_rows(batch, len(weights)):
+        full = head(batch.target_hidden[b, p][None])[0]  # [V]
+        top = int(full.argmax())
+        oov = (top not in in_draft) if oov_rule == "teacher" else (int(batch.input_ids[b, q]) not in in_draft)
+        z = drafter.logits(out.hidden[j][b, t][None])[0]
+        probs = torch.softmax(full[DRAFT], -1)
+        correct = (not oov) and int(z.argmax()) == int(probs.argmax())
+        per_row[(b, t, j)] = (correct, int(batch.input_ids[b, q]) == top)
+        if oov:
+            dropped += 1
+            continue
+        total = total + weights[j] * -(probs * torch.log_softmax(z, -1)).sum()
+        rows += 1
     n_sup = sum(
         1
         for b in range(b_)
@@ -329,24 +333,18 @@ def test_teacher_temperature_sharpens_the_hidden_teacher_and_keeps_its_argmax():
 def _direct_feature_term(drafter, out, batch, head, weights):
     """The feature term, one row at a time: step j's output at row t against fc(aux) of position t + j + 1,
     both RMS-normalised (target side detached), smooth-L1 averaged over the width, on the rows ttt_loss trains."""
-    b_, t_ = batch.input_ids.shape
-    seg, lm = batch.segment_ids, batch.loss_mask
     in_draft = set(DRAFT.tolist())
     fused = drafter.fuse(batch.aux).detach()
+    eps = torch.finfo(torch.float32).eps
     total = torch.zeros(())
-    for b in range(b_):
-        for t in range(t_):
-            for j in range(len(weights)):
-                p, q = t + j + 1, t + j + 2
-                if q >= t_ or seg[b, t] == 0 or seg[b, q] != seg[b, t] or not lm[b, q]:
-                    continue
-                if int(head(batch.target_hidden[b, p][None])[0].argmax()) not in in_draft:
-                    continue  # dropped from the distribution loss, so from this term too
-                pred = out.hidden[j][b, t]
-                pred = pred / pred.pow(2).mean().add(torch.finfo(torch.float32).eps).sqrt()
-                tgt = fused[b, p] / fused[b, p].pow(2).mean().add(torch.finfo(torch.float32).eps).sqrt()
-                d = (pred - tgt).abs()
-                total = total + weights[j] * torch.where(d < 1, 0.5 * d * d, d - 0.5).mean()
+    for b, t, j, p, _ in _loss_rows(batch, len(weights)):
+        if int(head(batch.target_hidden[b, p][None])[0].argmax()) not in in_draft:
+            continue  # dropped from the distribution loss, so from this term too
+        pred = out.hidden[j][b, t]
+        pred = pred / pred.pow(2).mean().add(eps).sqrt()
+        tgt = fused[b, p] / fused[b, p].pow(2).mean().add(eps).sqrt()
+        d = (pred - tgt).abs()
+        total = total + weights[j] * torch.where(d < 1, 0.5 * d * d, d - 0.5).mean()
     return total
 
 
