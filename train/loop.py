@@ -656,7 +656,8 @@ class _Window:
             "compute_s": self.compute_s,
             "data_wait_frac": self.data_s / wall if wall > 0 else 0.0,
         }
-        if float(flat[3 * k + 1]) > 0:
-            rec["feature_loss"] = float(flat[3 * k + 1]) / max(n_sup, 1.0)
+        feature = float(flat[3 * k + 1])
+        if feature > 0:
+            rec["feature_loss"] = feature / max(n_sup, 1.0)
         self.reset()
         return rec

@@ -282,9 +282,16 @@ class LossOutput:
     count: torch.Tensor  # [K] loss rows per step
     correct: torch.Tensor  # [K] loss rows whose draft argmax == teacher draft argmax
     chain: ChainCounts | None = None
-    feature_sum: torch.Tensor | None = (
-        None  # scalar, detached: sum_j w_j sum_rows of the feature term (if on)
-    )
+    # scalar, detached: sum_j w_j sum_rows of the feature term (training with feature_weight > 0 only)
+    feature_sum: torch.Tensor | None = None
+
+
+def _step_rows(out: TTTOutput, teacher: Teacher, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``j``'s drafter row of each teacher row (``p - j - 1``, clamped to 0) and whether it trains ([N] each):
+    inside the sequence, inputs inside its sample, teacher token in the draft vocabulary."""
+    t_n = teacher.row_p - (j + 1)
+    t_c = t_n.clamp(min=0)
+    return t_c, (t_n >= 0) & out.valid[j][teacher.row_b, t_c] & teacher.in_vocab
 
 
 def ttt_loss(
@@ -309,9 +316,7 @@ def ttt_loss(
     total = torch.zeros((), dtype=torch.float32, device=dev)
     ce_sum, count, correct = [], [], []
     for j in range(k):
-        t_n = teacher.row_p - (j + 1)  # [N]
-        t_c = t_n.clamp(min=0)
-        w = (t_n >= 0) & out.valid[j][teacher.row_b, t_c] & teacher.in_vocab  # [N]
+        t_c, w = _step_rows(out, teacher, j)
         z = drafter.logits(out.hidden[j][teacher.row_b, t_c])  # [N, Vd] fp32 (rows with w = 0 cost little)
         ce, top = soft_cross_entropy_argmax(z, teacher.probs)
         s = (ce * w).sum()
@@ -389,9 +394,7 @@ def feature_loss(out: TTTOutput, teacher: Teacher, step_weights: list[float]) ->
     target = F.rms_norm(out.fused.detach()[teacher.row_b, teacher.row_p].float(), width)  # [N, H]
     total = torch.zeros((), dtype=torch.float32, device=target.device)
     for j, weight in enumerate(step_weights):
-        t_n = teacher.row_p - (j + 1)
-        t_c = t_n.clamp(min=0)
-        w = (t_n >= 0) & out.valid[j][teacher.row_b, t_c] & teacher.in_vocab  # the rows ttt_loss trains
+        t_c, w = _step_rows(out, teacher, j)  # the rows ttt_loss trains
         pred = F.rms_norm(out.hidden[j][teacher.row_b, t_c].float(), width)
         per_row = F.smooth_l1_loss(pred, target, reduction="none").mean(-1)
         total = total + weight * (per_row * w).sum()
