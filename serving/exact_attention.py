@@ -23,7 +23,12 @@ Design decisions:
 - Forwards of more than :data:`MAX_ROWS` queries (prefill) use ``sdpa``: every method shares the same prefill.
 - Scope: a chain (EAGLE-3 chains, prompt lookup, plain decoding) lays its path out at the slots decoding would
   use, so it is bit-exact. A tree's side branches sit at other slots, so their rows add the same terms in
-  another order and can round differently: near-exact, not exact.
+  another order and can round differently: near-exact, not exact. Recomputing each such row in decoding's
+  layout (its visible keys and values gathered, in order, to the front of a cache-sized buffer; its query alone
+  in a block) was tried on 2026-12-05: bit-exact on the embedded target (random 8- and 13-node trees), but with
+  R rows off the layout it costs R more blocks of attention and R copies of the layer's K/V: 4-8x the block's
+  own attention per layer (+4 ms per layer at 800 slots, +25 ms at 2,000, on the AMX machine), more than a
+  7-node tree saves. So trees stay near-exact; chains carry the exactness checks.
 - Cost: decode attends over the whole cache (the loop sizes it to prompt + answer + draft room) and computes
   :data:`BLOCK` query rows; for the embedded target that is ~1 ms of a 40 ms step.
 """
