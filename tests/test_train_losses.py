@@ -381,6 +381,57 @@ def test_feature_term_equals_direct_computation_and_stays_out_of_evaluation():
     torch.testing.assert_close(ev.loss, ev_plain.loss)
 
 
+def test_miss_weight_weighs_the_rows_after_a_step0_miss_and_stays_out_of_evaluation():
+    """Row t of every step weighs 1 + w when step 0 of row t - 1 (same sample) carried loss and missed x_{t+1}."""
+    batch, head = _packed_batch(seed=7)
+    w = head.weight.clone()
+    w[[i for i in range(V) if i not in set(DRAFT.tolist())]] *= (
+        0.2  # most teacher argmaxes in the draft vocabulary
+    )
+    head = TargetHead(w)
+    weights = [0.8**j for j in range(K)]
+    maps = VocabMaps.from_draft_ids(DRAFT, V)
+    teacher = build_teacher(batch, maps, form="hidden", oov_rule="teacher", head=head, keep_oov=False)
+    normalizer = float(build_teacher(batch, maps, head=head).num_positions)
+    args = (batch.input_ids, batch.aux, batch.position_ids, batch.segment_ids, teacher, normalizer)
+    drafter = _drafter(seed=4)
+    out = DistillationModel(drafter, weights, miss_weight=1.5)(*args)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+    drafter.zero_grad()
+    ttt = drafter.forward_ttt(batch.input_ids, batch.aux, K, batch.position_ids, batch.segment_ids)
+    in_draft = set(DRAFT.tolist())
+    step0_miss: dict[tuple[int, int], bool] = {}
+    total, boosted = torch.zeros(()), 0
+    for b, t, j, p, _ in _loss_rows(batch, K):
+        full = head(batch.target_hidden[b, p][None])[0]
+        if int(full.argmax()) not in in_draft:
+            continue  # dropped from the loss, and not counted as a miss
+        z = drafter.logits(ttt.hidden[j][b, t][None])[0]
+        probs = torch.softmax(full[DRAFT], -1)
+        if j == 0:
+            step0_miss[(b, t)] = int(z.argmax()) != int(probs.argmax())
+        mult = 2.5 if step0_miss.get((b, t - 1), False) else 1.0
+        boosted += mult > 1
+        total = total + mult * weights[j] * -(probs * torch.log_softmax(z, -1)).sum()
+    assert boosted > 3 and any(not m for m in step0_miss.values())  # both kinds of rows occur
+    ref = total / normalizer
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-6)
+    ref.backward()
+    for n, p in drafter.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    with torch.no_grad():  # evaluation's loss is the unweighted one
+        ev_args = (*args[:-2], build_teacher(batch, maps, head=head), normalizer)
+        ev = DistillationModel(drafter, weights, miss_weight=1.5)(*ev_args, with_chain=True)
+        ev_plain = DistillationModel(drafter, weights)(*ev_args, with_chain=True)
+    torch.testing.assert_close(ev.loss, ev_plain.loss)
+    assert "miss_weight" not in TrainConfig().identity()
+    assert TrainConfig(miss_weight=1.0).identity()["miss_weight"] == 1.0
+    with pytest.raises(ValueError, match="miss_weight"):
+        TrainConfig(miss_weight=-0.5)
+
+
 def test_feature_weight_is_validated_and_off_by_default_in_the_identity():
     assert TrainConfig().feature_weight == 0.0
     assert "feature_weight" not in TrainConfig().identity()

@@ -215,6 +215,9 @@ class TrainConfig:
     """Weight of the feature term (``train.losses.DistillationModel``): each TTT step's output pulled towards the
     fused features of the position it stands in for at the next step. 0 (the default) leaves the distribution
     loss alone."""
+    miss_weight: float = 0.0
+    """Extra loss weight of the rows a served greedy chain starts from: row ``t`` weighs ``1 + miss_weight`` when
+    the drafter's step 0 at row ``t - 1`` missed (``train.losses.ttt_loss``). 0 (the default): every row alike."""
     precision: str = "auto"
     """``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (autocast; on CPU too)."""
     bf16_lm_head: bool = False
@@ -275,6 +278,8 @@ class TrainConfig:
             raise ValueError(f"train.teacher_temperature must be > 0, not {self.teacher_temperature}")
         if not self.feature_weight >= 0:
             raise ValueError(f"train.feature_weight must be >= 0, not {self.feature_weight}")
+        if not self.miss_weight >= 0:
+            raise ValueError(f"train.miss_weight must be >= 0, not {self.miss_weight}")
         if self.oov_rule not in OOV_RULES:
             raise ValueError(f"train.oov_rule must be one of {OOV_RULES}, not {self.oov_rule!r}")
         if self.precision not in PRECISIONS:
@@ -320,6 +325,8 @@ class TrainConfig:
             del d["freeze_lm_head"]  # runs from before the option keep their identity
         if not d["feature_weight"]:
             del d["feature_weight"]  # likewise
+        if not d["miss_weight"]:
+            del d["miss_weight"]  # likewise
         return d
 
 

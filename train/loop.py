@@ -402,7 +402,11 @@ def fit(
 
     drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     model = DistillationModel(
-        drafter, cfg.step_weights, bf16_head=cfg.bf16_lm_head, feature_weight=cfg.feature_weight
+        drafter,
+        cfg.step_weights,
+        bf16_head=cfg.bf16_lm_head,
+        feature_weight=cfg.feature_weight,
+        miss_weight=cfg.miss_weight,
     )
     optimizer = torch.optim.AdamW(
         _param_groups(model, cfg.weight_decay),

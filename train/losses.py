@@ -302,9 +302,15 @@ def ttt_loss(
     step_weights: list[float],
     normalizer: torch.Tensor | float,
     with_chain: bool = False,
+    miss_weight: float = 0.0,
 ) -> LossOutput:
     """The weighted soft cross-entropy of a TTT unroll (see the module docstring); ``with_chain`` also scores the
-    out-of-vocabulary rows and returns the acceptance counts (evaluation)."""
+    out-of-vocabulary rows and returns the acceptance counts (evaluation).
+
+    ``miss_weight`` > 0 (training only) weighs the rows a served chain starts from more: drafter row ``t`` gets
+    ``1 + miss_weight`` at every step when step 0 of row ``t - 1`` missed ``x_{t+1}``, since a greedy chain is
+    rejected there and the next chain starts at row ``t`` with the target's own token. Held-out chains start
+    after such misses far more often than at a random row (BENCH.md, "Where served chains start")."""
     k = len(out.hidden)
     if len(step_weights) != k:
         raise ValueError(f"{len(step_weights)} step weights for {k} TTT steps")
@@ -315,10 +321,17 @@ def ttt_loss(
     # t_n = p_n - j - 1, so the teacher table is never gathered per step (it is the big [N, V_draft] tensor).
     total = torch.zeros((), dtype=torch.float32, device=dev)
     ce_sum, count, correct = [], [], []
+    after_miss: torch.Tensor | None = None  # [B, T] drafter row t follows a step-0 miss of x_{t+1}
     for j in range(k):
         t_c, w = _step_rows(out, teacher, j)
         z = drafter.logits(out.hidden[j][teacher.row_b, t_c])  # [N, Vd] fp32 (rows with w = 0 cost little)
         ce, top = soft_cross_entropy_argmax(z, teacher.probs)
+        if miss_weight > 0:
+            if after_miss is None:  # step 0: teacher row at position p is drafter row p - 1's target
+                miss = w & ~((top == teacher.draft_argmax) & teacher.argmax_in_draft)
+                after_miss = torch.zeros(out.valid[0].shape, dtype=torch.bool, device=dev)
+                after_miss[teacher.row_b, teacher.row_p] = miss
+            ce = ce * (1.0 + miss_weight * after_miss[teacher.row_b, t_c].float())
         s = (ce * w).sum()
         total = total + step_weights[j] * s
         ce_sum.append(s.detach())
@@ -420,12 +433,14 @@ class DistillationModel(nn.Module):
         step_weights: list[float],
         bf16_head: bool = False,
         feature_weight: float = 0.0,
+        miss_weight: float = 0.0,
     ):
         super().__init__()
         self.drafter = drafter
         self.step_weights = list(step_weights)
         self.bf16_head = bf16_head
         self.feature_weight = float(feature_weight)
+        self.miss_weight = float(miss_weight)
 
     def forward(
         self,
@@ -441,7 +456,16 @@ class DistillationModel(nn.Module):
             input_ids, aux, steps=len(self.step_weights), position_ids=position_ids, segment_ids=segment_ids
         )
         with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.bf16_head):
-            res = ttt_loss(self.drafter, out, teacher, input_ids, self.step_weights, normalizer, with_chain)
+            res = ttt_loss(
+                self.drafter,
+                out,
+                teacher,
+                input_ids,
+                self.step_weights,
+                normalizer,
+                with_chain,
+                miss_weight=0.0 if with_chain else self.miss_weight,
+            )
         if self.feature_weight > 0 and not with_chain:
             feat = feature_loss(out, teacher, self.step_weights)
             res.loss = res.loss + self.feature_weight * feat / normalizer
