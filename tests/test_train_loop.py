@@ -108,6 +108,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(tmp_path):
     assert res.final_eval["loss"] < 0.8 * before.loss
     assert res.final_eval["step_acc"][0] > before.step_acc[0] + 0.1
     assert res.final_eval["tau_chain"] > before.acceptance.tau_chain
+    assert res.final_eval["tau_served"] > before.acceptance.tau_served
     assert all(torch.isfinite(v).all() for v in load_weights(res.last_checkpoint).values())
     assert (tmp_path / "best" / "drafter.safetensors").exists()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -18,6 +18,7 @@ from eyas.train.losses import (
     VocabMaps,
     build_teacher,
     draft_head,
+    served_chains,
     soft_cross_entropy,
 )
 from eyas.train.metrics import simulated_acceptance
@@ -217,6 +218,43 @@ def test_chain_counts_equal_direct_per_row_computation():
     assert got.counted.tolist() == counted and got.correct.tolist() == correct
     assert got.reach.tolist() == reach and got.hits.tolist() == hits
     assert hits[1] > 0 and reach[1] < counted[1] and hits[0] < reach[0]  # every case of the chain occurs
+    # served chains: walk each row as greedy chain decoding does (a chain of a hits is followed by one at t + a + 1)
+    s_reach, s_hits = [0] * K, [0] * K
+    for b in range(2):
+        scored = sorted(t for (bb, t, j) in per_row if bb == b and j == 0)
+        t = scored[0]
+        while t <= scored[-1]:
+            t = min(r for r in scored if r >= t)
+            a = 0
+            while a < K and (b, t, a) in per_row:
+                ok, follows = per_row[(b, t, a)]
+                s_reach[a] += 1
+                if not ok:
+                    break
+                s_hits[a] += 1
+                a += 1
+                if not follows:
+                    break
+            t += a + 1
+    assert got.served_reach.tolist() == s_reach and got.served_hits.tolist() == s_hits
+    assert s_hits[1] > 0 and s_reach[0] < reach[0]  # chains go past step 0, and fewer start than rows
+
+
+def _rows(*bits: str) -> list[torch.Tensor]:
+    return [torch.tensor([[c == "1" for c in b]]) for b in bits]
+
+
+def test_served_chains_follow_the_decoding_schedule():
+    """K = 2 by hand: scored rows 0, 1, 4, 5 (2-3 an unscored gap, e.g. a user turn)."""
+    counted = _rows("1100110", "1100100")
+    hits = _rows("0100110", "0100000")
+    # row 0 misses: the next chain starts at row 1, hits twice, then row 3 is unscored so row 4 starts one that
+    # hits once; the next would start at row 6, past the scored span
+    reach, hit = served_chains(counted, hits, _rows("1111111", "1111111"))
+    assert reach.tolist() == [3, 2] and hit.tolist() == [2, 1]
+    # the data leaves the argmax path after row 1's first hit: that chain stops there
+    reach, hit = served_chains(counted, hits, _rows("1011111", "1111111"))
+    assert reach.tolist() == [3, 1] and hit.tolist() == [2, 0]
 
 
 def test_topk_teacher_renormalises_inside_the_draft_vocabulary():
@@ -261,6 +299,10 @@ def test_simulated_acceptance_formulas():
         hits=torch.tensor([5.0, 4.0]),
     )
     est = simulated_acceptance(chain)
+    assert est.served_cond_acc == [] and est.tau_served == 1.0  # no served counts given
+    chain.served_reach, chain.served_hits = torch.tensor([8.0, 4.0]), torch.tensor([4.0, 1.0])
+    est = simulated_acceptance(chain)
+    assert est.served_cond_acc == [0.5, 0.25] and est.tau_served == pytest.approx(1 + 0.5 + 0.5 * 0.25)
     assert est.acc == [0.5, 0.5] and est.cond_acc == [0.5, 0.8]
     assert est.tau_indep == pytest.approx(1 + 0.5 + 0.5 * 0.5)
     assert est.tau_chain == pytest.approx(1 + 0.5 + 0.5 * 0.8)

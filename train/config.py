@@ -23,7 +23,7 @@ OOV_RULES = ("teacher", "label")
 PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_SOURCES = ("store", "online", "synthetic")
-BEST_METRICS = ("tau_chain", "tau_indep", "loss")
+BEST_METRICS = ("tau_chain", "tau_served", "tau_indep", "loss")
 
 
 @dataclass
@@ -233,7 +233,8 @@ class TrainConfig:
     keep_last: int = 2
     """Checkpoints kept (older ones deleted; ``best/`` is separate)."""
     best_metric: str = "tau_chain"
-    """Metric that picks ``best/``: ``tau_chain`` (conditional chain acceptance), ``tau_indep``, ``loss``."""
+    """Metric that picks ``best/``: ``tau_chain`` (conditional chain acceptance over every row), ``tau_served``
+    (the same over the rows served greedy chains start from), ``tau_indep``, ``loss``."""
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir, else start fresh), ``never`` (refuse if checkpoints exist),
     or a checkpoint directory."""

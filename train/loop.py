@@ -90,6 +90,7 @@ class EvalResult:
     def metric(self, name: str) -> float:
         return {
             "tau_chain": self.acceptance.tau_chain,
+            "tau_served": self.acceptance.tau_served,
             "tau_indep": self.acceptance.tau_indep,
             "loss": self.loss,
         }[name]
@@ -103,6 +104,8 @@ class EvalResult:
             "tau_indep": self.acceptance.tau_indep,
             "acc": self.acceptance.acc,
             "cond_acc": self.acceptance.cond_acc,
+            "tau_served": self.acceptance.tau_served,
+            "served_cond_acc": self.acceptance.served_cond_acc,
             "rows": self.acceptance.rows,
         }
 
@@ -302,7 +305,7 @@ def evaluate(
     """Simulated acceptance and loss on held-out batches (every process its own list, same length)."""
     k = len(step_weights)
     dev = accelerator.device
-    chain = ChainCounts(*(torch.zeros(k, device=dev) for _ in range(4)))
+    chain = ChainCounts(*(torch.zeros(k, device=dev) for _ in range(6)))
     ce = torch.zeros(k, device=dev)
     count = torch.zeros(k, device=dev)
     correct = torch.zeros(k, device=dev)
@@ -311,18 +314,18 @@ def evaluate(
         b = b.to(dev)
         teacher = build_teacher(b, **teacher_kw)
         out = model(b.input_ids, b.aux, b.position_ids, b.segment_ids, teacher, 1.0, with_chain=True)
-        for name in ("counted", "correct", "reach", "hits"):
-            getattr(chain, name).add_(getattr(out.chain, name))
+        for total, part in zip(chain.tensors(), out.chain.tensors()):
+            total.add_(part)
         ce += out.ce_sum
         count += out.count
         correct += out.correct
         positions += teacher.num_positions
     flat = _sum(
         accelerator,
-        torch.cat([chain.counted, chain.correct, chain.reach, chain.hits, ce, count, correct, positions]),
+        torch.cat([*chain.tensors(), ce, count, correct, positions]),
     )
-    chain = ChainCounts(*(x.cpu() for x in flat[: 4 * k].view(4, k)))
-    ce, count, correct = flat[4 * k : 5 * k], flat[5 * k : 6 * k], flat[6 * k : 7 * k]
+    chain = ChainCounts(*(x.cpu() for x in flat[: 6 * k].view(6, k)))
+    ce, count, correct = flat[6 * k : 7 * k], flat[7 * k : 8 * k], flat[8 * k : 9 * k]
     n = float(flat[-1])
     if n == 0:
         return None
@@ -467,9 +470,10 @@ def fit(
         logger.log(step, "eval", res.to_dict())
         if acc.is_main_process:
             log.info(
-                "eval step %d: tau_chain %.3f tau_indep %.3f loss %.4f acc %s",
+                "eval step %d: tau_chain %.3f tau_served %.3f tau_indep %.3f loss %.4f acc %s",
                 step,
                 res.acceptance.tau_chain,
+                res.acceptance.tau_served,
                 res.acceptance.tau_indep,
                 res.loss,
                 [round(a, 3) for a in res.acceptance.acc],

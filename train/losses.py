@@ -271,6 +271,62 @@ class ChainCounts:
     correct: torch.Tensor  # [K]
     reach: torch.Tensor  # [K]
     hits: torch.Tensor  # [K]
+    # the same two counts over the rows a served greedy chain of length K starts from (see served_chains)
+    served_reach: torch.Tensor | None = None  # [K]
+    served_hits: torch.Tensor | None = None  # [K]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """All six counts in a fixed order (missing served counts as zeros), for summing across processes."""
+        zeros = torch.zeros_like(self.counted)
+        served = [x if x is not None else zeros for x in (self.served_reach, self.served_hits)]
+        return [self.counted, self.correct, self.reach, self.hits, *served]
+
+
+def served_chains(
+    counted: list[torch.Tensor], hits: list[torch.Tensor], faithful: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walk each row the way greedy chain decoding with K = ``len(counted)`` drafts does, and count per depth.
+
+    A chain starts at the first scored row; when steps ``0..a-1`` hit (and the data continued along the target's
+    argmax, so the next step's inputs are what serving feeds), the target emits ``a`` drafts and one token of its
+    own, and the next chain starts ``a + 1`` rows later (at the next scored row, past an unscored gap such as a
+    user turn). Served chains start right after a miss far more often than a random row does, and a token the
+    drafter missed is followed by harder ones, so these counts track served acceptance where the per-row
+    :class:`ChainCounts` overstate it (BENCH.md, "Where served chains start").
+
+    counted, hits, faithful: K tensors [B, T] bool (row scored at step j; scored and correct; data token of step
+    j is the target's argmax). Returns ``(reach, hits)`` [K]: chains that tried depth j, and that hit it.
+    """
+    k = len(counted)
+    reach_n, hit_n = [0] * k, [0] * k
+    cnt = torch.stack(counted).cpu()  # [K, B, T]
+    good = torch.stack(hits).cpu() & torch.stack(faithful).cpu()  # a hit the next step may build on
+    hit = torch.stack(hits).cpu()
+    for b in range(cnt.shape[1]):
+        rows = cnt[0, b].nonzero().flatten().tolist()
+        if not rows:
+            continue
+        c, g, h = cnt[:, b].tolist(), good[:, b].tolist(), hit[:, b].tolist()
+        i, t = 0, rows[0]
+        last = rows[-1]
+        while t <= last:
+            if not c[0][t]:  # past the end of the scored span: the next one (a new turn or sample)
+                while i < len(rows) and rows[i] < t:
+                    i += 1
+                if i == len(rows):
+                    break
+                t = rows[i]
+            a = 0
+            while a < k and c[a][t]:
+                reach_n[a] += 1
+                if not h[a][t]:
+                    break
+                hit_n[a] += 1
+                a += 1
+                if a < k and not g[a - 1][t]:
+                    break  # the data left the argmax path: what serving would draft next is unknown
+            t += a + 1
+    return torch.tensor(reach_n, dtype=torch.float32), torch.tensor(hit_n, dtype=torch.float32)
 
 
 @dataclass
@@ -388,12 +444,17 @@ def _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer)
         counted.append(counted_rows[j].sum())
         correct_all.append(correct_rows[j].sum())
         alive = r & correct_rows[j] & faithful_rows[j]
+    served_reach, served_hits = served_chains(counted_rows, correct_rows, faithful_rows)
     return LossOutput(
         loss=total / normalizer,
         ce_sum=torch.stack(ce_sum).float(),
         count=torch.stack(count).float(),
         correct=torch.stack(correct).float(),
-        chain=ChainCounts(*(torch.stack(x).float() for x in (counted, correct_all, reach, hits))),
+        chain=ChainCounts(
+            *(torch.stack(x).float() for x in (counted, correct_all, reach, hits)),
+            served_reach=served_reach.to(dev),
+            served_hits=served_hits.to(dev),
+        ),
     )
 
 

@@ -9,6 +9,10 @@ Design decisions:
   ``a_j = hits_j / reach_j`` measured on the same rows, so ``P = prod_{j<k} a_j`` is exact by the chain rule
   for greedy chain decoding over the positions where the data follows the target's argmax (self-distilled
   data). Neither models tree drafting (which accepts more).
+- ``tau_served`` takes the same conditional acceptances over only the rows where served greedy chains of length
+  K start (:func:`train.losses.served_chains` walks each row as the decoding loop would). Chains start right
+  after a miss far more often than at a random row, and acceptance there is lower, so ``tau_chain`` overstates
+  served τ (BENCH.md, "Where served chains start"); ``tau_served`` is the estimate to compare with the loop's.
 - The metrics file is plain JSONL, one object per line with ``step`` and ``kind`` (train | eval); on resume,
   lines past the resumed step (work that the killed run lost) are dropped so the file matches the weights.
 - wandb is imported only when enabled; mode comes from the config, else ``$WANDB_MODE``, else ``offline``, so a
@@ -22,7 +26,7 @@ import logging
 import math
 import os
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,9 @@ class AcceptanceEstimate:
     tau_chain: float
     rows: int
     """Rows scored at step 0."""
+    served_cond_acc: list[float] = field(default_factory=list)
+    """Per-step conditional acceptance over the rows served chains start from."""
+    tau_served: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,11 +72,17 @@ def simulated_acceptance(chain: ChainCounts) -> AcceptanceEstimate:
     hits = chain.hits.tolist()
     acc = [c / n if n else 0.0 for c, n in zip(correct, counted)]
     cond = [h / r if r else 0.0 for h, r in zip(hits, reach)]
+    served = []
+    if chain.served_reach is not None and chain.served_hits is not None:
+        pairs = zip(chain.served_hits.tolist(), chain.served_reach.tolist())
+        served = [h / r if r else 0.0 for h, r in pairs]
     return AcceptanceEstimate(
         acc=acc,
         cond_acc=cond,
         tau_indep=_tau(acc),
         tau_chain=_tau(cond),
+        served_cond_acc=served,
+        tau_served=_tau(served),
         rows=int(counted[0]) if counted else 0,
     )
 
