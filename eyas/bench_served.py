@@ -1,0 +1,196 @@
+"""Where served chains start: ``python -m eyas.bench_served bench_served.checkpoint=<export>``.
+
+The trainer reports simulated acceptance (τ_sim) from one teacher-forced unroll over held-out data, scoring
+*every* row as if a chain started there. Greedy chain decoding starts a chain only where the previous one ended:
+right after a draft the target rejected (or after K accepted drafts). This benchmark measures what that
+difference is worth for one drafter on one prompt set:
+
+1. greedy chain decoding in the bundled loop (``serving.loop.generate``): τ and the conditional acceptance at
+   each depth (``P(depth j accepted | depth j - 1 accepted)``);
+2. one teacher-forced unroll over each prompt plus what decoding emitted, scored by the trainer's own code
+   (``train.losses.DistillationModel`` with the chain counts): over every row (``tau_chain``, the τ_sim of the
+   training log and the recipe table) and over the rows the served chains start from (``tau_served``,
+   :func:`train.losses.served_chains`), each with its conditional acceptance per depth.
+
+Design decisions:
+- The held-out text is the target's own greedy output (what decoding emitted), so every row of the unroll sees
+  the inputs serving fed it, and ``tau_served`` must come out at the loop's τ up to the numerics of one full
+  forward against the cached verify forwards (``tests/test_train_losses.py`` checks equality on a tiny fp32
+  target). The gap between ``tau_chain`` and the loop's τ is then what starting chains only after misses costs.
+- The first generated token comes from prefill, not from a draft, so the unroll's loss mask starts one token
+  later, as the loop's first chain does.
+- Numerics are evaluation's (``eval.stage.EvalStageConfig.numerics``: bf16 with row-exact attention on CPUs with
+  bf16 units), and the target reads the drafter's aux layers, as ``eyas eval`` loads it.
+- A Hydra app like every command (``conf/bench_served.yaml``, typed by :class:`BenchServedConfig`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class BenchServedConfig:
+    """``python -m eyas.bench_served`` (``bench_served`` in ``conf/bench_served.yaml``)."""
+
+    checkpoint: str = "auto"
+    """The drafter: an export, a trainer checkpoint or run directory, or ``auto`` (the newest under ``runs/``)."""
+    source: str = "reasoning_gym"
+    """Prompt source (what ``eval.prompt_sets[].source`` takes); the default is the bench's hard reasoning."""
+    n: int = 12
+    """Prompts drawn from the source (seeded by ``seed``)."""
+    max_new_tokens: int = 192
+    chain_length: int = 6
+    """K: drafts per step, and the depth the unroll is scored to."""
+    seed: int = 0
+    dtype: str = "auto"
+    """Target numerics, as ``eval.dtype``."""
+    threads: int = 2
+    out: str | None = None
+    """Also write the results as JSON here."""
+
+    def __post_init__(self) -> None:
+        for name in ("n", "max_new_tokens", "chain_length", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bench_served.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def main() -> None:
+    from eyas.common import typed_command
+
+    typed_command("bench_served", BenchServedConfig, run)
+
+
+def _loop_counts(steps, start: int, length: int, k: int) -> tuple[list[int], list[int]]:
+    """Per depth j: the loop's chains that tried depth j inside ``length`` tokens, and those that hit it."""
+    reach, hits, t = [0] * k, [0] * k, start
+    for s in steps:
+        for j in range(min(k, s.draft_depth)):
+            if t + j + 2 < length and s.num_accepted >= j:
+                reach[j] += 1
+                hits[j] += s.num_accepted >= j + 1
+        t += s.num_accepted + 1
+    return reach, hits
+
+
+def _conditional(reach, hits) -> list[float]:
+    return [float(h) / float(r) if r else 0.0 for r, h in zip(reach, hits)]
+
+
+def _tau(cond: list[float]) -> float:
+    tau, run = 1.0, 1.0
+    for c in cond:
+        run *= c
+        tau += run
+    return tau
+
+
+def run(args: BenchServedConfig) -> dict[str, Any]:
+    """Decode every prompt, unroll over what was emitted, and print the three acceptance estimates."""
+    import torch
+    from tqdm import tqdm
+
+    from eyas.data.types import Batch
+    from eyas.eval.acceptance import PromptSetSpec
+    from eyas.eval.prompts import load_prompt_ids
+    from eyas.eval.stage import EvalStageConfig
+    from eyas.serving.drafters import load_drafter, with_drafter_aux_layers
+    from eyas.serving.loop import generate
+    from eyas.serving.proposers import Eagle3Proposer
+    from eyas.serving.target import TargetConfig, load_target
+    from eyas.train.losses import DistillationModel, VocabMaps, build_teacher
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+    k = args.chain_length
+    t0 = time.perf_counter()
+    target = load_target(with_drafter_aux_layers(TargetConfig(), args.checkpoint))
+    spec = PromptSetSpec("held-out", args.source, args.n, "", args.max_new_tokens)
+    ecfg = EvalStageConfig(prompt_sets=[asdict(spec)], chain_length=k, dtype=args.dtype, profile=None)
+    target, numerics = ecfg.numerics(target)
+    loaded = load_drafter(args.checkpoint, target)
+    drafter = loaded.drafter
+    prompts = load_prompt_ids(spec, target.tokenizer, args.seed)
+    maps = VocabMaps.from_draft_ids(drafter.draft_to_target, target.vocab_size)
+    scorer = DistillationModel(drafter, [1.0] * k)
+    proposer = Eagle3Proposer(drafter, chain_length=k)
+
+    emitted = steps = 0
+    loop_reach, loop_hits = [0] * k, [0] * k
+    counts: dict[str, torch.Tensor] = {}
+    for prompt in tqdm(prompts, desc="prompts", unit="prompt"):
+        res = generate(target, proposer, prompt, args.max_new_tokens)
+        emitted += sum(s.num_emitted for s in res.steps)
+        steps += len(res.steps)
+        seq = torch.tensor([prompt + res.tokens])
+        p_len, length = len(prompt), seq.shape[1]
+        r, h = _loop_counts(res.steps, p_len - 1, length, k)
+        loop_reach = [a + b for a, b in zip(loop_reach, r)]
+        loop_hits = [a + b for a, b in zip(loop_hits, h)]
+        with torch.no_grad():
+            out = target.forward(seq, logits="none")
+            loss = torch.zeros_like(seq, dtype=torch.bool)
+            loss[0, p_len + 1 :] = True  # the first generated token came from prefill
+            batch = Batch(
+                input_ids=seq,
+                loss_mask=loss,
+                position_ids=torch.arange(length)[None],
+                segment_ids=torch.ones_like(seq),
+                aux=out.aux,
+                target_hidden=out.hidden,
+            )
+            teacher = build_teacher(batch, maps, form="hidden", head=target.head)
+            chain = scorer(
+                seq, out.aux, batch.position_ids, batch.segment_ids, teacher, 1.0, with_chain=True
+            ).chain
+        for name, value in zip(("counted", "correct", "reach", "hits", "s_reach", "s_hits"), chain.tensors()):
+            counts[name] = counts.get(name, 0) + value.float().cpu()
+
+    every = _conditional(counts["reach"].tolist(), counts["hits"].tolist())
+    served = _conditional(counts["s_reach"].tolist(), counts["s_hits"].tolist())
+    loop = _conditional(loop_reach, loop_hits)
+    result = {
+        "checkpoint": loaded.source,
+        "numerics": numerics,
+        "prompts": len(prompts),
+        "source": args.source,
+        "max_new_tokens": args.max_new_tokens,
+        "chain_length": k,
+        "loop_tau": emitted / max(steps, 1),
+        "loop_cond_acc": loop,
+        "loop_tau_from_cond": _tau(loop),
+        "tau_served": _tau(served),
+        "served_cond_acc": served,
+        "tau_chain": _tau(every),
+        "cond_acc": every,
+        "chains": int(counts["s_reach"][0]),
+        "rows": int(counts["reach"][0]),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "config": asdict(args),
+    }
+    fmt = " ".join
+    print(f"drafter {loaded.source}; {len(prompts)} prompts of {args.source}, {numerics}")
+    print(f"| estimate | τ (K = {k}) | conditional acceptance by depth |\n|---|---:|---|")
+    print(
+        f"| bundled loop, greedy chains ({steps} steps) | {result['loop_tau']:.3f} | {fmt(f'{c:.2f}' for c in loop)} |"
+    )
+    print(
+        f"| unroll, rows served chains start from ({result['chains']}) | {result['tau_served']:.3f} "
+        f"| {fmt(f'{c:.2f}' for c in served)} |"
+    )
+    print(
+        f"| unroll, every row ({result['rows']}; τ_sim) | {result['tau_chain']:.3f} | {fmt(f'{c:.2f}' for c in every)} |"
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
