@@ -91,11 +91,11 @@ class VariantResult:
     train_tokens_per_s: float | None
     tau_sim: float | None
     tau: float
-    tau_served_sim: float | None = None
     first_acceptance: float
     acceptance_by_position: list[float]
     prompts: int
     train_dir: str
+    tau_served_sim: float | None = None
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
