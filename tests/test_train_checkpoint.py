@@ -218,3 +218,20 @@ def test_without_directory_swaps_an_interrupted_resave_is_recovered(tmp_path, mo
     assert TrainerState.read(root / "step_00000002").tokens_seen == 10
     save_checkpoint(root, _state(2, tokens=20), data_state={"pos": 1}, **kw)
     assert TrainerState.read(root / "step_00000002").tokens_seen == 20
+
+
+def test_a_resume_under_another_best_metric_starts_a_new_best(tmp_path):
+    """best_value is a value of one metric: compared with another metric's it would keep best/ for no reason (a
+    loss of ~4 is never below a tau_chain of ~1)."""
+    target, drafter, data = tiny_setup(num_samples=4)
+    kw = dict(max_steps=4, save_every=2, eval_every=2, best_metric="tau_chain")
+    fit(tiny_cfg(tmp_path, **kw), drafter, ListSource(data.train), data.train, head=target.head)
+    state = TrainerState.read(tmp_path / "checkpoints" / "step_00000002")
+    assert state.best_metric == "tau_chain" and state.best_step == 2
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000004")
+    target, drafter, data = tiny_setup(num_samples=4)
+    kw["best_metric"] = "loss"
+    again = fit(tiny_cfg(tmp_path, **kw), drafter, ListSource(data.train), data.train, head=target.head)
+    assert again.resumed_from is not None and again.best_step == 4
+    state = TrainerState.read(tmp_path / "checkpoints" / "step_00000004")
+    assert state.best_metric == "loss" and state.best_value == pytest.approx(again.final_eval["loss"])

@@ -98,6 +98,8 @@ class TrainerState:
     """Real (non-padding) tokens of every optimizer step so far, over all processes; carried across resumes."""
     best_value: float | None = None
     best_step: int | None = None
+    best_metric: str | None = None
+    """The ``train.best_metric`` that ``best_value`` is a value of (None: a checkpoint from before it was kept)."""
     wandb_id: str | None = None
     saved_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION

@@ -232,7 +232,7 @@ class TrainConfig:
     """Steps between checkpoints (0: only at the end)."""
     keep_last: int = 2
     """Checkpoints kept (older ones deleted; ``best/`` is separate)."""
-    best_metric: str = "tau_chain"
+    best_metric: str = "tau_served"
     """Metric that picks ``best/``: ``tau_chain`` (conditional chain acceptance over every row), ``tau_served``
     (the same over the rows served greedy chains start from), ``tau_indep``, ``loss``."""
     resume: str = "auto"

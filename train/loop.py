@@ -442,6 +442,15 @@ def fit(
         )
         state = loaded.state
         data.load_state_dict(loaded.data_state)
+        if state.best_value is not None and state.best_metric != cfg.best_metric:
+            log.warning(
+                "best/ (step %s) was picked by %s; train.best_metric is now %s: the next evaluation starts a new best",
+                state.best_step,
+                state.best_metric or "an earlier metric",
+                cfg.best_metric,
+            )
+            state.best_value = state.best_step = None
+    state.best_metric = cfg.best_metric
     logger = MetricsLogger(
         out_dir,
         enabled=acc.is_main_process,
