@@ -235,6 +235,8 @@ def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path, tar
             step_acc=[round(a, 3) for a in fe["step_acc"]],
             tau_sim=round(fe["tau_chain"], 3),
         )
+        if "tau_served" in fe:
+            facts["tau_sim_served"] = round(fe["tau_served"], 3)
     print(
         f"train: {out} ({res.steps_this_run} steps this run, {res.steps} in all): "
         + ", ".join(f"{k} {v}" for k, v in facts.items()),
