@@ -78,16 +78,34 @@ def _loop_counts(steps, start: int, length: int, k: int) -> tuple[list[int], lis
     return reach, hits
 
 
-def _conditional(reach, hits) -> list[float]:
-    return [float(h) / float(r) if r else 0.0 for r, h in zip(reach, hits)]
+def decoded_chain_counts(target, drafter, prompt: list[int], tokens: list[int], k: int):
+    """The trainer's :class:`train.losses.ChainCounts` (served counts included) of one teacher-forced unroll of
+    ``drafter`` over ``prompt + tokens`` (what greedy decoding emitted), scored to depth ``k``. The first emitted
+    token came from prefill, not from a draft, so the loss mask starts one token later, as the loop's first
+    chain does."""
+    import torch
 
+    from eyas.data.types import Batch
+    from eyas.train.losses import DistillationModel, VocabMaps, build_teacher
 
-def _tau(cond: list[float]) -> float:
-    tau, run = 1.0, 1.0
-    for c in cond:
-        run *= c
-        tau += run
-    return tau
+    seq = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        out = target.forward(seq, logits="none")
+        loss = torch.zeros_like(seq, dtype=torch.bool)
+        loss[0, len(prompt) + 1 :] = True
+        batch = Batch(
+            input_ids=seq,
+            loss_mask=loss,
+            position_ids=torch.arange(seq.shape[1])[None],
+            segment_ids=torch.ones_like(seq),
+            aux=out.aux,
+            target_hidden=out.hidden,
+        )
+        maps = VocabMaps.from_draft_ids(drafter.draft_to_target, target.vocab_size)
+        teacher = build_teacher(batch, maps, form="hidden", head=target.head)
+        return DistillationModel(drafter, [1.0] * k)(
+            seq, out.aux, batch.position_ids, batch.segment_ids, teacher, 1.0, with_chain=True
+        ).chain
 
 
 def run(args: BenchServedConfig) -> dict[str, Any]:
@@ -95,7 +113,6 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
-    from eyas.data.types import Batch
     from eyas.eval.acceptance import PromptSetSpec
     from eyas.eval.prompts import load_prompt_ids
     from eyas.eval.stage import EvalStageConfig
@@ -103,7 +120,8 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
     from eyas.serving.loop import generate
     from eyas.serving.proposers import Eagle3Proposer
     from eyas.serving.target import TargetConfig, load_target
-    from eyas.train.losses import DistillationModel, VocabMaps, build_teacher
+    from eyas.train.losses import ChainCounts
+    from eyas.train.metrics import simulated_acceptance
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -116,44 +134,27 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
     loaded = load_drafter(args.checkpoint, target)
     drafter = loaded.drafter
     prompts = load_prompt_ids(spec, target.tokenizer, args.seed)
-    maps = VocabMaps.from_draft_ids(drafter.draft_to_target, target.vocab_size)
-    scorer = DistillationModel(drafter, [1.0] * k)
     proposer = Eagle3Proposer(drafter, chain_length=k)
 
     emitted = steps = 0
     loop_reach, loop_hits = [0] * k, [0] * k
-    counts: dict[str, torch.Tensor] = {}
+    total = None
     for prompt in tqdm(prompts, desc="prompts", unit="prompt"):
         res = generate(target, proposer, prompt, args.max_new_tokens)
         emitted += sum(s.num_emitted for s in res.steps)
         steps += len(res.steps)
-        seq = torch.tensor([prompt + res.tokens])
-        p_len, length = len(prompt), seq.shape[1]
-        r, h = _loop_counts(res.steps, p_len - 1, length, k)
+        r, h = _loop_counts(res.steps, len(prompt) - 1, len(prompt) + len(res.tokens), k)
         loop_reach = [a + b for a, b in zip(loop_reach, r)]
         loop_hits = [a + b for a, b in zip(loop_hits, h)]
-        with torch.no_grad():
-            out = target.forward(seq, logits="none")
-            loss = torch.zeros_like(seq, dtype=torch.bool)
-            loss[0, p_len + 1 :] = True  # the first generated token came from prefill
-            batch = Batch(
-                input_ids=seq,
-                loss_mask=loss,
-                position_ids=torch.arange(length)[None],
-                segment_ids=torch.ones_like(seq),
-                aux=out.aux,
-                target_hidden=out.hidden,
-            )
-            teacher = build_teacher(batch, maps, form="hidden", head=target.head)
-            chain = scorer(
-                seq, out.aux, batch.position_ids, batch.segment_ids, teacher, 1.0, with_chain=True
-            ).chain
-        for name, value in zip(("counted", "correct", "reach", "hits", "s_reach", "s_hits"), chain.tensors()):
-            counts[name] = counts.get(name, 0) + value.float().cpu()
+        counts = [
+            x.float().cpu() for x in decoded_chain_counts(target, drafter, prompt, res.tokens, k).tensors()
+        ]
+        total = counts if total is None else [a + b for a, b in zip(total, counts)]
 
-    every = _conditional(counts["reach"].tolist(), counts["hits"].tolist())
-    served = _conditional(counts["s_reach"].tolist(), counts["s_hits"].tolist())
-    loop = _conditional(loop_reach, loop_hits)
+    est = simulated_acceptance(ChainCounts(*total))
+    lr, lh = torch.tensor(loop_reach, dtype=torch.float32), torch.tensor(loop_hits, dtype=torch.float32)
+    loop_est = simulated_acceptance(ChainCounts(lr, lh, lr, lh))
+    every, served, loop = est.cond_acc, est.served_cond_acc, loop_est.cond_acc
     result = {
         "checkpoint": loaded.source,
         "numerics": numerics,
@@ -163,13 +164,13 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
         "chain_length": k,
         "loop_tau": emitted / max(steps, 1),
         "loop_cond_acc": loop,
-        "loop_tau_from_cond": _tau(loop),
-        "tau_served": _tau(served),
+        "loop_tau_from_cond": loop_est.tau_chain,
+        "tau_served": est.tau_served,
         "served_cond_acc": served,
-        "tau_chain": _tau(every),
+        "tau_chain": est.tau_chain,
         "cond_acc": every,
-        "chains": int(counts["s_reach"][0]),
-        "rows": int(counts["reach"][0]),
+        "chains": int(total[4][0]),
+        "rows": int(total[2][0]),
         "seconds": round(time.perf_counter() - t0, 1),
         "config": asdict(args),
     }

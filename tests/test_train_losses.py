@@ -485,6 +485,7 @@ def test_feature_weight_is_validated_and_off_by_default_in_the_identity():
 def test_served_chain_counts_reproduce_the_decoding_loop_on_its_own_output():
     """The trainer's served-chain walk over one teacher-forced unroll of what greedy chain decoding emitted gives
     that decoding's own accepted drafts per depth (tiny fp32 target, a drafter that gets some accepted)."""
+    from eyas.bench_served import decoded_chain_counts
     from eyas.serving.loop import generate
     from eyas.serving.proposers import Eagle3Proposer
 
@@ -498,26 +499,9 @@ def test_served_chain_counts_reproduce_the_decoding_loop_on_its_own_output():
     prompt = torch.randint(3, 256, (14,), generator=torch.Generator().manual_seed(6))
     res = generate(target, Eagle3Proposer(drafter, chain_length=k), prompt, 48, stop_on_eos=False)
     # the sequence stops short of the last steps, whose drafts the token limit cut short
-    seq = torch.cat([prompt, torch.tensor(res.tokens[:40])])[None]
-    p_len, t_len = prompt.numel(), seq.shape[1]
-    with torch.no_grad():
-        out = target.forward(seq, logits="none")
-    loss = torch.zeros_like(seq, dtype=torch.bool)
-    loss[0, p_len + 1 :] = True  # the first generated token comes from prefill, not from a draft
-    batch = Batch(
-        input_ids=seq,
-        loss_mask=loss,
-        position_ids=torch.arange(t_len)[None],
-        segment_ids=torch.ones_like(seq),
-        aux=out.aux,
-        target_hidden=out.hidden,
-    )
-    maps = VocabMaps.from_draft_ids(drafter.draft_to_target, target.vocab_size)
-    teacher = build_teacher(batch, maps, form="hidden", head=target.head)
-    with torch.no_grad():
-        got = DistillationModel(drafter, [1.0] * k)(
-            seq, batch.aux, batch.position_ids, batch.segment_ids, teacher, 1.0, with_chain=True
-        ).chain
+    tokens = res.tokens[:40]
+    got = decoded_chain_counts(target, drafter, prompt.tolist(), tokens, k)
+    p_len, t_len = prompt.numel(), prompt.numel() + len(tokens)
     # the loop's chains, each scored only as deep as the sequence reaches (step j of row t predicts x_{t+j+2})
     reach, hits, t = [0] * k, [0] * k, p_len - 1
     for s in res.steps:
