@@ -300,8 +300,8 @@ def served_chains(
     k = len(counted)
     reach_n, hit_n = [0] * k, [0] * k
     cnt = torch.stack(counted).cpu()  # [K, B, T]
-    good = torch.stack(hits).cpu() & torch.stack(faithful).cpu()  # a hit the next step may build on
     hit = torch.stack(hits).cpu()
+    good = hit & torch.stack(faithful).cpu()  # a hit the next step may build on
     for b in range(cnt.shape[1]):
         rows = cnt[0, b].nonzero().flatten().tolist()
         if not rows:

@@ -70,12 +70,15 @@ def simulated_acceptance(chain: ChainCounts) -> AcceptanceEstimate:
     correct = chain.correct.tolist()
     reach = chain.reach.tolist()
     hits = chain.hits.tolist()
-    acc = [c / n if n else 0.0 for c, n in zip(correct, counted)]
-    cond = [h / r if r else 0.0 for h, r in zip(hits, reach)]
+
+    def rates(num: list[float], den: list[float]) -> list[float]:
+        return [x / n if n else 0.0 for x, n in zip(num, den)]
+
+    acc = rates(correct, counted)
+    cond = rates(hits, reach)
     served = []
     if chain.served_reach is not None and chain.served_hits is not None:
-        pairs = zip(chain.served_hits.tolist(), chain.served_reach.tolist())
-        served = [h / r if r else 0.0 for h, r in pairs]
+        served = rates(chain.served_hits.tolist(), chain.served_reach.tolist())
     return AcceptanceEstimate(
         acc=acc,
         cond_acc=cond,
