@@ -17,6 +17,7 @@ from typing import Any
 
 from eyas.common import ConfigError, build_config
 from eyas.serving.target import TargetConfig
+from eyas.train.optim import OPTIMIZERS
 
 TEACHERS = ("auto", "hidden", "topk")
 OOV_RULES = ("teacher", "label")
@@ -180,6 +181,10 @@ class TrainConfig:
     """If set, overrides max_steps with ceil(epochs * batches per epoch / grad_accum) (needs a sized source)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step on each process."""
+    optimizer: str = "adamw"
+    """``adamw``, or ``muon``: ``torch.optim.Muon`` on the decoder layer's and ``fc``'s weight matrices (RMS matched
+    to AdamW, so ``lr`` keeps its meaning), AdamW on ``lm_head``, norms and biases (``train.optim``). Plain data
+    parallel only: DeepSpeed ZeRO partitions flattened parameters, which Muon cannot orthogonalise."""
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
@@ -259,6 +264,8 @@ class TrainConfig:
             raise ValueError(f"train.epochs must be positive or null, not {self.epochs}")
         if self.grad_accum < 1:
             raise ValueError(f"train.grad_accum must be >= 1, not {self.grad_accum}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, not {self.optimizer!r}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be positive, not {self.lr}")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -328,6 +335,8 @@ class TrainConfig:
             del d["feature_weight"]  # likewise
         if not d["miss_weight"]:
             del d["miss_weight"]  # likewise
+        if d["optimizer"] == "adamw":
+            del d["optimizer"]  # likewise
         return d
 
 

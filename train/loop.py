@@ -58,6 +58,7 @@ from eyas.train.losses import (
     supervised_positions,
 )
 from eyas.train.metrics import AcceptanceEstimate, MetricsLogger, simulated_acceptance
+from eyas.train.optim import build_optimizer
 from eyas.train.sources import BatchSource
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,11 @@ def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
+    if cfg.optimizer != "adamw":
+        raise ValueError(
+            f"train.optimizer={cfg.optimizer} runs under plain data parallel only: DeepSpeed ZeRO hands the "
+            "optimizer flattened parameter partitions, which Muon cannot orthogonalise; use train.optimizer=adamw"
+        )
     ds = plugin.deepspeed_config
     if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         ds["train_micro_batch_size_per_gpu"] = 1  # batches come from our own source; the value is nominal
@@ -205,7 +211,7 @@ def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
         ds["gradient_clipping"] = float(cfg.max_grad_norm)
     if "optimizer" in ds or "scheduler" in ds:
         raise ValueError(
-            "the DeepSpeed config declares an optimizer/scheduler; eyas passes its own AdamW and cosine schedule "
+            "the DeepSpeed config declares an optimizer/scheduler; eyas passes its own optimizer and cosine schedule "
             "(train.lr...), so remove those sections (see conf/deepspeed/*.json)"
         )
 
@@ -238,12 +244,6 @@ def _resume_path(cfg: TrainConfig, root: Path) -> Path | None:
     if not p.is_dir():
         raise FileNotFoundError(f"train.resume={cfg.resume}: no such checkpoint directory")
     return p
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
 
 
 class _Batches:
@@ -411,9 +411,11 @@ def fit(
         feature_weight=cfg.feature_weight,
         miss_weight=cfg.miss_weight,
     )
-    optimizer = torch.optim.AdamW(
-        _param_groups(model, cfg.weight_decay),
+    optimizer = build_optimizer(
+        model,
+        cfg.optimizer,
         lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
         betas=cfg.betas,
         eps=cfg.adam_eps,
         fused=dev.type in ("cpu", "cuda"),  # one kernel per step instead of a chain of foreach ops

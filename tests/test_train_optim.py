@@ -1,0 +1,121 @@
+"""train.optimizer=muon: the combined optimizer steps as Muon + AdamW do apart, follows the LR schedule, round-trips
+its state, and a killed-and-resumed Muon run equals an uninterrupted one."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+from eyas.train.checkpoint import load_weights
+from eyas.train.config import TrainConfig
+from eyas.train.loop import fit
+from eyas.train.optim import MuonWithAdamW, build_optimizer
+from eyas.train.sources import ListSource
+
+from .test_train_loop import tiny_cfg, tiny_setup
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc = torch.nn.Linear(12, 8, bias=True)
+        self.norm = torch.nn.LayerNorm(8)
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(self.fc(x)))
+
+
+def _grads(net: Net, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    net.zero_grad()
+    net(torch.randn(5, 12, generator=g)).square().mean().backward()
+
+
+KW = dict(lr=2e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=False)
+
+
+def test_muon_with_adamw_steps_as_the_two_optimizers_apart():
+    a, b = Net(), Net()
+    opt = build_optimizer(a, "muon", **KW)
+    assert isinstance(opt, MuonWithAdamW)
+    muon = torch.optim.Muon([b.fc.weight], lr=2e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(
+        [{"params": [b.lm_head.weight], "weight_decay": 0.1}, {"params": [b.fc.bias, *b.norm.parameters()]}],
+        lr=2e-2,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+    )
+    for step in range(3):
+        _grads(a, step)
+        _grads(b, step)
+        opt.step()
+        muon.step()
+        adamw.step()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+    assert not torch.equal(a.fc.weight, Net().fc.weight)
+
+
+def test_the_lr_schedule_reaches_both_inner_optimizers_and_state_round_trips():
+    a = Net()
+    opt = build_optimizer(a, "muon", **KW)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** (s + 1))
+    for step in range(2):
+        _grads(a, step)
+        opt.step()
+        sched.step()
+    assert [g["lr"] for g in opt.muon.param_groups + opt.adamw.param_groups] == [2e-2 * 0.125] * 3
+
+    b = copy.deepcopy(a)
+    reloaded = build_optimizer(b, "muon", **KW)
+    reloaded.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert reloaded.muon.param_groups[0] is reloaded.param_groups[0]
+    assert reloaded.adamw.state is reloaded.state and len(reloaded.state) == 5
+    for step in (7, 8):
+        _grads(a, step)
+        _grads(b, step)
+        opt.step()
+        reloaded.step()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+
+
+def test_unknown_optimizers_are_refused_and_adamw_keeps_the_old_identity(tmp_path):
+    with pytest.raises(ValueError, match="train.optimizer must be one of"):
+        TrainConfig(output_dir=str(tmp_path), optimizer="sgd")
+    assert "optimizer" in TrainConfig(optimizer="muon").identity()
+    assert "optimizer" not in TrainConfig().identity()  # runs from before the option keep their hash
+
+
+def test_a_resumed_muon_run_equals_an_uninterrupted_one(tmp_path):
+    def run(out):
+        target, drafter, data = tiny_setup()
+        return fit(
+            tiny_cfg(out, optimizer="muon", keep_last=4),
+            drafter,
+            ListSource(data.train, shuffle=False),
+            data.eval,
+            head=target.head,
+            target_info=target.info,
+        )
+
+    straight = run(tmp_path / "straight")
+    # a run that stopped after step 4: the straight run's directory up to its step-4 checkpoint
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "straight", cut)
+    for step in (6, 8):
+        shutil.rmtree(cut / "checkpoints" / f"step_{step:08d}")
+    resumed = run(cut)
+    assert resumed.resumed_from is not None and resumed.steps_this_run == 4
+    a, b = load_weights(resumed.last_checkpoint), load_weights(straight.last_checkpoint)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    first = load_weights(tmp_path / "straight" / "checkpoints" / "step_00000002")
+    assert not torch.equal(first["fc.weight"], b["fc.weight"])

@@ -1,0 +1,92 @@
+"""The drafter's optimizer: AdamW, or Muon on the hidden weight matrices with AdamW on the rest.
+
+``build_optimizer`` returns one ``torch.optim.Optimizer`` either way, so accelerate, the LR scheduler and the
+checkpoint code see a single object. With ``train.optimizer=muon`` the 2-D weights of the decoder layer and
+``fc`` take ``torch.optim.Muon`` (orthogonalised momentum, Moonshot's RMS matching so that ``train.lr`` means what
+it means for AdamW); ``lm_head``, norms and biases keep AdamW, as Muon's authors recommend for embeddings, output
+heads and vectors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` over some parameters and ``torch.optim.AdamW`` over the others, as one optimizer.
+
+    The two inner optimizers share this object's ``param_groups`` dicts and ``state`` (their parameters are
+    disjoint), so an LR scheduler's writes reach both and ``state_dict``/``load_state_dict`` are the base class's.
+    """
+
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
+        self.muon, self.adamw = muon, adamw
+        super().__init__(muon.param_groups + adamw.param_groups, {})
+        self._n_muon = len(muon.param_groups)
+        self._bind()
+
+    def _bind(self) -> None:
+        self.muon.param_groups = self.param_groups[: self._n_muon]
+        self.adamw.param_groups = self.param_groups[self._n_muon :]
+        self.muon.state = self.adamw.state = self.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "_n_muon"):
+            raise RuntimeError("MuonWithAdamW takes its parameter groups from its two inner optimizers")
+        self.param_groups.append(
+            param_group
+        )  # the base __init__: groups already built by the inner optimizers
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # replaces self.param_groups and self.state
+        self._bind()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight decay on matrices only."""
+    decay = [p for p in params if p.ndim >= 2]
+    other = [p for p in params if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    kind: str,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    fused: bool,
+    adamw_names: tuple[str, ...] = ("lm_head",),
+) -> torch.optim.Optimizer:
+    """The trainable parameters of ``model`` under ``kind`` (``adamw`` or ``muon``).
+
+    With ``muon``, a 2-D parameter whose name contains one of ``adamw_names`` stays with AdamW.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    adamw_kw = dict(lr=lr, betas=betas, eps=eps, fused=fused)
+    if kind == "adamw":
+        return torch.optim.AdamW(param_groups([p for _, p in named], weight_decay), **adamw_kw)
+    if kind != "muon":
+        raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, not {kind!r}")
+    hidden = [p for n, p in named if p.ndim == 2 and not any(a in n for a in adamw_names)]
+    rest = [p for n, p in named if not (p.ndim == 2 and not any(a in n for a in adamw_names))]
+    if not hidden:
+        raise ValueError("train.optimizer=muon: the model has no trainable 2-D weight outside lm_head")
+    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+    return MuonWithAdamW(muon, torch.optim.AdamW(param_groups(rest, weight_decay), **adamw_kw))
