@@ -1,7 +1,7 @@
 """Drafter-training throughput and peak memory on this machine: ``python -m eyas.bench_train``.
 
 What it measures: the real training step of :func:`train.loop.fit` (teacher from the stored final hidden state
-through the frozen target head, TTT unroll, loss, backward, AdamW), for the embedded default target
+through the frozen target head, TTT unroll, loss, backward, optimizer step), for the embedded default target
 (SmolLM2-135M-Instruct), 512-token samples (one per micro-batch; ``bench_train.seq_len=[512,2048,8192]`` for long rows), TTT 7,
 over draft vocabularies and precisions.
 Tokens/s counts every sequence token of a step (SpecForge's convention), from the step timings ``fit`` logs,
@@ -69,6 +69,8 @@ class BenchTrainConfig:
     """Training-time-test unroll length."""
     loss_fraction: float = 0.7
     """Share of each sample marked as assistant (loss) tokens."""
+    optimizer: str = "auto"
+    """``train.optimizer``: ``auto`` (the trainer's default: Muon here), ``muon`` or ``adamw``."""
     out: str | None = None
     """Also write the results as JSON here."""
     attention: list[str] | None = None
@@ -78,6 +80,8 @@ class BenchTrainConfig:
         bad = sorted(set(self.modes) - set(MODES))
         if bad:
             raise ValueError(f"bench_train.modes: unknown {bad} (known: {list(MODES)})")
+        if self.optimizer not in ("auto", "adamw", "muon"):
+            raise ValueError(f"bench_train.optimizer must be auto, adamw or muon, not {self.optimizer!r}")
         if self.oov not in ("teacher", "label"):
             raise ValueError(f"bench_train.oov must be 'teacher' or 'label', not {self.oov!r}")
         if self.attention is not None and set(self.attention) - {"block", "dense"}:
@@ -175,6 +179,7 @@ def run_child(args: SimpleNamespace) -> dict[str, Any]:
         oov_rule=args.oov,
         wandb={"mode": "disabled"},
         ttt_steps=args.ttt,
+        optimizer=args.optimizer,
         **MODES[args.mode],
     )
     baseline = PeakRSS().proc.memory_info().rss
@@ -190,6 +195,7 @@ def run_child(args: SimpleNamespace) -> dict[str, Any]:
         "oov_rule": args.oov,
         "threads": args.threads,
         "ttt_steps": args.ttt,
+        "optimizer": args.optimizer,
         "tokens_per_s": tokens / wall,
         "step_s": wall / len(timed),
         "supervised_fraction": sum(r["supervised_tokens"] for r in timed) / tokens,
@@ -305,7 +311,7 @@ def _train_runs(args: BenchTrainConfig, seq_len: int) -> list[dict[str, Any]]:
                 }
                 results.append(res)
                 print(
-                    f"{seq_len:>5} tokens/row  vocab {v:>6}  {mode:<9}  {res['tokens_per_s']:7.1f} tokens/s  {res['step_s']:6.2f} s/step  "
+                    f"{seq_len:>5} tokens/row  vocab {v:>6}  {mode:<9}  {args.optimizer}  {res['tokens_per_s']:7.1f} tokens/s  {res['step_s']:6.2f} s/step  "
                     f"peak RSS {res['peak_rss_mib']:7.0f} MiB (+{res['peak_above_baseline_mib']:.0f} training)  "
                     f"load {res['load_avg_1m']:.1f}",
                     flush=True,

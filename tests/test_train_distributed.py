@@ -1,9 +1,10 @@
 """Real multi-process runs through ``accelerate launch -m eyas.train``: 2-process gloo DDP, DeepSpeed ZeRO-3 (2 processes)
 and ZeRO-2 (1 process) each reach the weights of the single-process run with the same global batch; so do DDP,
 ZeRO-2 and ZeRO-3 launched as two loopback "nodes" (two ``accelerate launch --num_machines 2 --machine_rank R``
-processes of one worker each, see tests/launch.py).
+processes of one worker each, see tests/launch.py). ``train.optimizer=auto`` is Muon under plain data parallel and
+AdamW under DeepSpeed, so the DDP runs are held to a single-process Muon run and the DeepSpeed runs to an AdamW one.
 
-Tolerances (fp32 weights after 4 AdamW steps, max absolute difference): DDP 1e-6 (its all-reduce sums two
+Tolerances (fp32 weights after 4 optimizer steps, max absolute difference): DDP 1e-6 (its all-reduce sums two
 micro-batch gradients in another order than one process's accumulation); DeepSpeed 1e-5 (its fp32 flat
 buffers and reduce-scatter change the summation order again)."""
 
@@ -86,24 +87,35 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: f
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=k)
 
 
-@pytest.fixture(scope="module")
-def single(tiny_target_dir, tmp_path_factory):
-    """The reference: one process, two micro-batches per step (in this process, through the Hydra configs)."""
+def _single_run(tiny_target_dir: Path, out: Path, optimizer: str) -> dict[str, torch.Tensor]:
+    """One process, two micro-batches per step (in this process, through the Hydra configs)."""
     from hydra import compose, initialize_config_dir
 
     from eyas.train.__main__ import train_job
     from eyas.train.setup import run
 
-    out = tmp_path_factory.mktemp("single")
     n = torch.get_num_threads()
+    overrides = [*_overrides(tiny_target_dir, out, 2), "train.threads=1", f"train.optimizer={optimizer}"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*_overrides(tiny_target_dir, out, 2), "train.threads=1"])
+        cfg = compose("config", overrides=overrides)
     try:
         res = run(train_job(cfg))
     finally:
         torch.set_num_threads(n)
     assert res.steps == 4
     return _weights(out)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_target_dir, tmp_path_factory):
+    """The reference for plain data parallel, where train.optimizer=auto means Muon."""
+    return _single_run(tiny_target_dir, tmp_path_factory.mktemp("single"), "muon")
+
+
+@pytest.fixture(scope="module")
+def single_adamw(tiny_target_dir, tmp_path_factory):
+    """The reference for DeepSpeed, where train.optimizer=auto means AdamW."""
+    return _single_run(tiny_target_dir, tmp_path_factory.mktemp("single_adamw"), "adamw")
 
 
 def test_ddp_two_processes_equal_single_process_same_global_batch(tiny_target_dir, single, tmp_path):
@@ -114,18 +126,18 @@ def test_ddp_two_processes_equal_single_process_same_global_batch(tiny_target_di
 
 
 @needs_deepspeed
-def test_deepspeed_zero3_two_processes_equal_single_process(tiny_target_dir, single, tmp_path):
+def test_deepspeed_zero3_two_processes_equal_single_process(tiny_target_dir, single_adamw, tmp_path):
     _launch("zero3_cpu", 2, _overrides(tiny_target_dir, tmp_path, 1))
     assert (latest_checkpoint(tmp_path / "checkpoints") / "ds").is_dir()
-    _assert_same(_weights(tmp_path), single, atol=DEEPSPEED_ATOL)
+    _assert_same(_weights(tmp_path), single_adamw, atol=DEEPSPEED_ATOL)
 
 
 @needs_deepspeed
 def test_deepspeed_zero2_one_process_with_accumulation_equals_single_process(
-    tiny_target_dir, single, tmp_path
+    tiny_target_dir, single_adamw, tmp_path
 ):
     _launch("zero2_cpu", 1, _overrides(tiny_target_dir, tmp_path, 2))
-    _assert_same(_weights(tmp_path), single, atol=DEEPSPEED_ATOL)
+    _assert_same(_weights(tmp_path), single_adamw, atol=DEEPSPEED_ATOL)
 
 
 # -- two loopback nodes: one worker per machine rank ---------------------------------------------------------------
@@ -144,13 +156,13 @@ def test_ddp_two_nodes_equal_single_process_same_global_batch(tiny_target_dir, s
 
 
 @needs_deepspeed
-def test_deepspeed_zero2_two_nodes_equal_single_process(tiny_target_dir, single, tmp_path):
-    _assert_same(_two_node_train("zero2_cpu", tiny_target_dir, tmp_path), single, atol=DEEPSPEED_ATOL)
+def test_deepspeed_zero2_two_nodes_equal_single_process(tiny_target_dir, single_adamw, tmp_path):
+    _assert_same(_two_node_train("zero2_cpu", tiny_target_dir, tmp_path), single_adamw, atol=DEEPSPEED_ATOL)
 
 
 @needs_deepspeed
-def test_deepspeed_zero3_two_nodes_equal_single_process(tiny_target_dir, single, tmp_path):
-    _assert_same(_two_node_train("zero3_cpu", tiny_target_dir, tmp_path), single, atol=DEEPSPEED_ATOL)
+def test_deepspeed_zero3_two_nodes_equal_single_process(tiny_target_dir, single_adamw, tmp_path):
+    _assert_same(_two_node_train("zero3_cpu", tiny_target_dir, tmp_path), single_adamw, atol=DEEPSPEED_ATOL)
 
 
 def test_ddp_two_torchrun_nodes_equal_single_process(tiny_target_dir, single, tmp_path):

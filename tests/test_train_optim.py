@@ -12,7 +12,7 @@ import torch
 from eyas.train.checkpoint import load_weights
 from eyas.train.config import TrainConfig
 from eyas.train.loop import fit
-from eyas.train.optim import MuonWithAdamW, build_optimizer
+from eyas.train.optim import MuonWithAdamW, build_optimizer, resolve_optimizer
 from eyas.train.sources import ListSource
 
 from .test_train_loop import tiny_cfg, tiny_setup
@@ -87,11 +87,17 @@ def test_the_lr_schedule_reaches_both_inner_optimizers_and_state_round_trips():
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
 
 
-def test_unknown_optimizers_are_refused_and_adamw_keeps_the_old_identity(tmp_path):
+def test_auto_is_muon_without_deepspeed_and_adamw_under_it_and_the_identity_records_which(tmp_path):
     with pytest.raises(ValueError, match="train.optimizer must be one of"):
         TrainConfig(output_dir=str(tmp_path), optimizer="sgd")
-    assert "optimizer" in TrainConfig(optimizer="muon").identity()
-    assert "optimizer" not in TrainConfig().identity()  # runs from before the option keep their hash
+    assert resolve_optimizer("auto", deepspeed=False) == "muon"
+    assert resolve_optimizer("auto", deepspeed=True) == "adamw"
+    assert resolve_optimizer("adamw", deepspeed=False) == "adamw"
+    with pytest.raises(ValueError, match="plain data parallel only"):
+        resolve_optimizer("muon", deepspeed=True)
+    assert TrainConfig().identity("muon")["optimizer"] == "muon"
+    assert "optimizer" not in TrainConfig().identity("adamw")  # runs from before the option keep their hash
+    assert "optimizer" not in TrainConfig(optimizer="adamw").identity()
 
 
 def test_a_resumed_muon_run_equals_an_uninterrupted_one(tmp_path):

@@ -181,10 +181,11 @@ class TrainConfig:
     """If set, overrides max_steps with ceil(epochs * batches per epoch / grad_accum) (needs a sized source)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step on each process."""
-    optimizer: str = "adamw"
-    """``adamw``, or ``muon``: ``torch.optim.Muon`` on the decoder layer's and ``fc``'s weight matrices (RMS matched
-    to AdamW, so ``lr`` keeps its meaning), AdamW on ``lm_head``, norms and biases (``train.optim``). Plain data
-    parallel only: DeepSpeed ZeRO partitions flattened parameters, which Muon cannot orthogonalise."""
+    optimizer: str = "auto"
+    """``muon``: ``torch.optim.Muon`` on the decoder layer's and ``fc``'s weight matrices (RMS matched to AdamW, so
+    ``lr`` keeps its meaning), AdamW on ``lm_head``, norms and biases (``train.optim``); ``adamw``: AdamW on all;
+    ``auto`` (the default): Muon under plain data parallel, AdamW under DeepSpeed ZeRO, whose flattened parameter
+    partitions Muon cannot orthogonalise. Muon learned more per token in the recipe study (BENCH.md)."""
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
@@ -311,9 +312,12 @@ class TrainConfig:
             return min(self.warmup_steps, total_steps)
         return int(round(self.warmup_ratio * total_steps))
 
-    def identity(self) -> dict[str, Any]:
-        """The fields a resumed run must share with its checkpoint (see the module docstring)."""
+    def identity(self, optimizer: str | None = None) -> dict[str, Any]:
+        """The fields a resumed run must share with its checkpoint (see the module docstring). optimizer: the
+        optimizer ``train.optimizer`` resolved to for this launch (``train.optim.resolve_optimizer``), recorded
+        in place of ``auto``."""
         d = asdict(self)
+        d["optimizer"] = optimizer or self.optimizer
         for k in (
             "output_dir",
             "eval_every",
@@ -336,7 +340,7 @@ class TrainConfig:
         if not d["miss_weight"]:
             del d["miss_weight"]  # likewise
         if d["optimizer"] == "adamw":
-            del d["optimizer"]  # likewise
+            del d["optimizer"]  # runs from before the option (all AdamW) keep their identity
         return d
 
 

@@ -58,7 +58,7 @@ from eyas.train.losses import (
     supervised_positions,
 )
 from eyas.train.metrics import AcceptanceEstimate, MetricsLogger, simulated_acceptance
-from eyas.train.optim import build_optimizer
+from eyas.train.optim import build_optimizer, resolve_optimizer
 from eyas.train.sources import BatchSource
 
 log = logging.getLogger(__name__)
@@ -199,11 +199,6 @@ def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
     plugin = accelerator.state.deepspeed_plugin
     if plugin is None:
         return
-    if cfg.optimizer != "adamw":
-        raise ValueError(
-            f"train.optimizer={cfg.optimizer} runs under plain data parallel only: DeepSpeed ZeRO hands the "
-            "optimizer flattened parameter partitions, which Muon cannot orthogonalise; use train.optimizer=adamw"
-        )
     ds = plugin.deepspeed_config
     if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
         ds["train_micro_batch_size_per_gpu"] = 1  # batches come from our own source; the value is nominal
@@ -368,8 +363,9 @@ def fit(
         raise EmptyDataError("the training split is empty: no batches to train on (check the data source)")
     n_steps = total_steps(cfg, data)
     vocab_ids = drafter.draft_to_target.cpu()
+    optimizer_name = resolve_optimizer(cfg.optimizer, deepspeed=acc.state.deepspeed_plugin is not None)
     identity = {
-        "train": cfg.identity(),
+        "train": cfg.identity(optimizer_name),
         "total_steps": n_steps,
         "drafter": drafter.config.to_dict(),
         "draft_vocab": json_hash({"ids": vocab_ids.tolist()}),
@@ -413,7 +409,7 @@ def fit(
     )
     optimizer = build_optimizer(
         model,
-        cfg.optimizer,
+        optimizer_name,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         betas=cfg.betas,
@@ -457,7 +453,7 @@ def fit(
         out_dir,
         enabled=acc.is_main_process,
         wandb_cfg=cfg.wandb,
-        run_config={"train": cfg.identity(), "drafter": drafter.config.to_dict(), "target": info},
+        run_config={"train": identity["train"], "drafter": drafter.config.to_dict(), "target": info},
         resume_step=state.step if resume is not None else None,
         wandb_id=state.wandb_id,
     )

@@ -13,7 +13,22 @@ from typing import Any
 
 import torch
 
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("auto", "adamw", "muon")
+
+
+def resolve_optimizer(name: str, *, deepspeed: bool) -> str:
+    """``auto``: Muon under plain data parallel, AdamW under DeepSpeed ZeRO (which hands the optimizer flattened
+    parameter partitions that Muon cannot orthogonalise). An explicit ``muon`` under DeepSpeed is refused."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, not {name!r}")
+    if name == "auto":
+        return "adamw" if deepspeed else "muon"
+    if name == "muon" and deepspeed:
+        raise ValueError(
+            "train.optimizer=muon runs under plain data parallel only: DeepSpeed ZeRO hands the optimizer "
+            "flattened parameter partitions, which Muon cannot orthogonalise; use train.optimizer=auto or adamw"
+        )
+    return name
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -83,7 +98,7 @@ def build_optimizer(
     if kind == "adamw":
         return torch.optim.AdamW(param_groups([p for _, p in named], weight_decay), **adamw_kw)
     if kind != "muon":
-        raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, not {kind!r}")
+        raise ValueError(f"build_optimizer: adamw or muon (resolve_optimizer first), not {kind!r}")
     hidden = [p for n, p in named if p.ndim == 2 and not any(a in n for a in adamw_names)]
     rest = [p for n, p in named if not (p.ndim == 2 and not any(a in n for a in adamw_names))]
     if not hidden:
