@@ -184,8 +184,8 @@ class TrainConfig:
     optimizer: str = "auto"
     """``muon``: ``torch.optim.Muon`` on the decoder layer's and ``fc``'s weight matrices (RMS matched to AdamW, so
     ``lr`` keeps its meaning), AdamW on ``lm_head``, norms and biases (``train.optim``); ``adamw``: AdamW on all;
-    ``auto`` (the default): Muon under plain data parallel, AdamW under DeepSpeed ZeRO, whose flattened parameter
-    partitions Muon cannot orthogonalise. Muon learned more per token in the recipe study (BENCH.md)."""
+    ``auto`` (the default): Muon under plain data parallel, AdamW under DeepSpeed ZeRO, which hands the optimizer
+    flat parameter partitions instead of matrices. Muon learned more per token in the recipe study (BENCH.md)."""
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
