@@ -364,6 +364,8 @@ def fit(
     n_steps = total_steps(cfg, data)
     vocab_ids = drafter.draft_to_target.cpu()
     optimizer_name = resolve_optimizer(cfg.optimizer, deepspeed=acc.state.deepspeed_plugin is not None)
+    if acc.is_main_process:
+        log.info("optimizer: %s (train.optimizer=%s), lr %g", optimizer_name, cfg.optimizer, cfg.lr)
     identity = {
         "train": cfg.identity(optimizer_name),
         "total_steps": n_steps,
