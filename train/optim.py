@@ -53,9 +53,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "_n_muon"):
             raise RuntimeError("MuonWithAdamW takes its parameter groups from its two inner optimizers")
-        self.param_groups.append(
-            param_group
-        )  # the base __init__: groups already built by the inner optimizers
+        # called by the base __init__ only, with the groups the inner optimizers already built
+        self.param_groups.append(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # replaces self.param_groups and self.state
@@ -100,8 +99,9 @@ def build_optimizer(
         return torch.optim.AdamW(param_groups([p for _, p in named], weight_decay), **adamw_kw)
     if kind != "muon":
         raise ValueError(f"build_optimizer: adamw or muon (resolve_optimizer first), not {kind!r}")
-    hidden = [p for n, p in named if p.ndim == 2 and not any(a in n for a in adamw_names)]
-    rest = [p for n, p in named if not (p.ndim == 2 and not any(a in n for a in adamw_names))]
+    on_muon = [p.ndim == 2 and not any(a in n for a in adamw_names) for n, p in named]
+    hidden = [p for (_, p), m in zip(named, on_muon) if m]
+    rest = [p for (_, p), m in zip(named, on_muon) if not m]
     if not hidden:
         raise ValueError("train.optimizer=muon: the model has no trainable 2-D weight outside lm_head")
     muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
