@@ -151,7 +151,8 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
         ]
         total = counts if total is None else [a + b for a, b in zip(total, counts)]
 
-    est = simulated_acceptance(ChainCounts(*total))
+    chain = ChainCounts(*total)
+    est = simulated_acceptance(chain)
     lr, lh = torch.tensor(loop_reach, dtype=torch.float32), torch.tensor(loop_hits, dtype=torch.float32)
     loop_est = simulated_acceptance(ChainCounts(lr, lh, lr, lh))
     every, served, loop = est.cond_acc, est.served_cond_acc, loop_est.cond_acc
@@ -169,8 +170,8 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
         "served_cond_acc": served,
         "tau_chain": est.tau_chain,
         "cond_acc": every,
-        "chains": int(total[4][0]),
-        "rows": int(total[2][0]),
+        "chains": int(chain.served_reach[0]),
+        "rows": int(chain.reach[0]),
         "seconds": round(time.perf_counter() - t0, 1),
         "config": asdict(args),
     }

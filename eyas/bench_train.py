@@ -80,8 +80,10 @@ class BenchTrainConfig:
         bad = sorted(set(self.modes) - set(MODES))
         if bad:
             raise ValueError(f"bench_train.modes: unknown {bad} (known: {list(MODES)})")
-        if self.optimizer not in ("auto", "adamw", "muon"):
-            raise ValueError(f"bench_train.optimizer must be auto, adamw or muon, not {self.optimizer!r}")
+        from eyas.train.optim import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"bench_train.optimizer must be one of {OPTIMIZERS}, not {self.optimizer!r}")
         if self.oov not in ("teacher", "label"):
             raise ValueError(f"bench_train.oov must be 'teacher' or 'label', not {self.oov!r}")
         if self.attention is not None and set(self.attention) - {"block", "dense"}:
