@@ -1,5 +1,6 @@
-"""train.optimizer=muon: the combined optimizer steps as Muon + AdamW do apart, follows the LR schedule, round-trips
-its state, and a killed-and-resumed Muon run equals an uninterrupted one."""
+"""train.optimizer=muon: the combined optimizer steps as Muon + AdamW do apart (with its own ``train.muon_lr``),
+follows the LR schedule (cosine or WSD), round-trips its state, and a killed-and-resumed Muon run equals an
+uninterrupted one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from eyas.train.checkpoint import load_weights
 from eyas.train.config import TrainConfig
-from eyas.train.loop import fit
+from eyas.train.loop import cosine_with_warmup, fit, lr_schedule, wsd_with_warmup
 from eyas.train.optim import MuonWithAdamW, build_optimizer, resolve_optimizer
 from eyas.train.sources import ListSource
 
@@ -41,11 +42,14 @@ def _grads(net: Net, seed: int) -> None:
 KW = dict(lr=2e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=False)
 
 
-def test_muon_with_adamw_steps_as_the_two_optimizers_apart():
+@pytest.mark.parametrize("muon_lr", [None, 7e-2])
+def test_muon_with_adamw_steps_as_the_two_optimizers_apart(muon_lr):
     a, b = Net(), Net()
-    opt = build_optimizer(a, "muon", **KW)
+    opt = build_optimizer(a, "muon", muon_lr=muon_lr, **KW)
     assert isinstance(opt, MuonWithAdamW)
-    muon = torch.optim.Muon([b.fc.weight], lr=2e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    muon = torch.optim.Muon(
+        [b.fc.weight], lr=muon_lr or 2e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+    )
     adamw = torch.optim.AdamW(
         [{"params": [b.lm_head.weight], "weight_decay": 0.1}, {"params": [b.fc.bias, *b.norm.parameters()]}],
         lr=2e-2,
@@ -87,6 +91,48 @@ def test_the_lr_schedule_reaches_both_inner_optimizers_and_state_round_trips():
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
 
 
+def test_the_schedule_scales_each_part_from_its_own_lr():
+    net = Net()
+    opt = build_optimizer(net, "muon", muon_lr=8e-2, **KW)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** (s + 1))
+    _grads(net, 0)
+    opt.step()
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [8e-2 * 0.25, 2e-2 * 0.25, 2e-2 * 0.25]
+
+
+def test_wsd_warms_up_holds_then_decays_linearly_over_its_last_fraction():
+    f = wsd_with_warmup(warmup=2, total=10, min_ratio=0.1, decay_ratio=0.4)
+    got = [round(f(s), 6) for s in range(11)]
+    # warm-up steps 0-1, lr held for steps 2-5, linear decay over the last 4 steps (6-9) towards 0.1 at step 10
+    assert got == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1]
+    assert wsd_with_warmup(0, 10, 0.0, 1.0)(0) == 1.0 and wsd_with_warmup(0, 10, 0.0, 1.0)(5) == 0.5
+    # a decay longer than what the warm-up leaves starts after the warm-up
+    assert wsd_with_warmup(8, 10, 0.0, 0.5)(8) == 1.0
+    cfg = TrainConfig(schedule="wsd", decay_ratio=0.4, warmup_steps=2, min_lr_ratio=0.1)
+    assert [lr_schedule(cfg, 10)(s) for s in range(11)] == [f(s) for s in range(11)]
+    cos = cosine_with_warmup(2, 10, 0.0)
+    assert [lr_schedule(TrainConfig(warmup_steps=2), 10)(s) for s in range(11)] == [cos(s) for s in range(11)]
+
+
+def test_muon_lr_and_schedule_are_checked_and_in_the_identity_only_when_they_act(tmp_path):
+    with pytest.raises(ValueError, match="train.schedule must be one of"):
+        TrainConfig(schedule="linear")
+    with pytest.raises(ValueError, match="train.decay_ratio"):
+        TrainConfig(schedule="wsd", decay_ratio=0.0)
+    with pytest.raises(ValueError, match="train.muon_lr must be positive"):
+        TrainConfig(muon_lr=0.0)
+    with pytest.raises(ValueError, match="has no Muon part"):
+        TrainConfig(optimizer="adamw", muon_lr=1e-3)
+    base = TrainConfig().identity("muon")
+    assert "muon_lr" not in base and "schedule" not in base and "decay_ratio" not in base  # hashes kept
+    assert TrainConfig(muon_lr=4e-3).identity("muon")["muon_lr"] == 4e-3
+    assert TrainConfig(muon_lr=4e-3).identity()["muon_lr"] == 4e-3  # auto, unresolved: kept
+    assert "muon_lr" not in TrainConfig(muon_lr=4e-3).identity("adamw")  # auto under DeepSpeed: unused
+    wsd = TrainConfig(schedule="wsd").identity("muon")
+    assert (wsd["schedule"], wsd["decay_ratio"]) == ("wsd", 0.2)
+
+
 def test_auto_is_muon_without_deepspeed_and_adamw_under_it_and_the_identity_records_which(tmp_path):
     with pytest.raises(ValueError, match="train.optimizer must be one of"):
         TrainConfig(output_dir=str(tmp_path), optimizer="sgd")
@@ -100,11 +146,12 @@ def test_auto_is_muon_without_deepspeed_and_adamw_under_it_and_the_identity_reco
     assert "optimizer" not in TrainConfig(optimizer="adamw").identity()
 
 
-def test_a_resumed_muon_run_equals_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"muon_lr": 3e-2, "schedule": "wsd", "decay_ratio": 0.5}])
+def test_a_resumed_muon_run_equals_an_uninterrupted_one(tmp_path, extra):
     def run(out):
         target, drafter, data = tiny_setup()
         return fit(
-            tiny_cfg(out, optimizer="muon", keep_last=4),
+            tiny_cfg(out, optimizer="muon", keep_last=4, **extra),
             drafter,
             ListSource(data.train, shuffle=False),
             data.eval,

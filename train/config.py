@@ -25,6 +25,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("online", "offline", "disabled")
 DATA_SOURCES = ("store", "online", "synthetic")
 BEST_METRICS = ("tau_chain", "tau_served", "tau_indep", "loss")
+SCHEDULES = ("cosine", "wsd")
 
 
 @dataclass
@@ -187,14 +188,23 @@ class TrainConfig:
     ``auto`` (the default): Muon under plain data parallel, AdamW under DeepSpeed ZeRO, which hands the optimizer
     flat parameter partitions instead of matrices. Muon learned more per token in the recipe study (BENCH.md)."""
     lr: float = 1e-4
+    muon_lr: float | None = None
+    """With Muon: the learning rate of the matrices Muon steps; ``lr`` stays that of the AdamW part (``lm_head``,
+    norms, biases). None: ``lr`` for both."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     adam_eps: float = 1e-8
     warmup_steps: int | None = None
     """Linear warm-up length; None uses ``warmup_ratio``."""
     warmup_ratio: float = 0.015
+    schedule: str = "cosine"
+    """After the warm-up: ``cosine`` decays from ``lr`` to ``lr * min_lr_ratio`` over the remaining steps;
+    ``wsd`` (warm-up, stable, decay) holds ``lr`` and decays linearly to ``lr * min_lr_ratio`` over the last
+    ``decay_ratio`` of the steps."""
+    decay_ratio: float = 0.2
+    """``schedule=wsd``: the fraction of the steps spent in the final linear decay."""
     min_lr_ratio: float = 0.0
-    """The cosine decays from ``lr`` to ``lr * min_lr_ratio`` at ``max_steps``."""
+    """The schedule ends at ``lr * min_lr_ratio`` at ``max_steps``."""
     max_grad_norm: float = 0.5
     """Global gradient-norm clip (0 disables)."""
     ttt_steps: int = 7
@@ -269,6 +279,16 @@ class TrainConfig:
             raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, not {self.optimizer!r}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be positive, not {self.lr}")
+        if self.muon_lr is not None and self.muon_lr <= 0:
+            raise ValueError(f"train.muon_lr must be positive or null, not {self.muon_lr}")
+        if self.muon_lr is not None and self.optimizer == "adamw":
+            raise ValueError(
+                "train.muon_lr sets Muon's learning rate; train.optimizer=adamw has no Muon part"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"train.schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        if not 0.0 < self.decay_ratio <= 1.0:
+            raise ValueError(f"train.decay_ratio must be in (0, 1], not {self.decay_ratio}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"train.warmup_ratio must be in [0, 1), not {self.warmup_ratio}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
@@ -339,8 +359,12 @@ class TrainConfig:
             del d["feature_weight"]  # likewise
         if not d["miss_weight"]:
             del d["miss_weight"]  # likewise
+        if d["muon_lr"] is None or d["optimizer"] == "adamw":
+            del d["muon_lr"]  # likewise; AdamW (auto under DeepSpeed) has no Muon part to apply it to
         if d["optimizer"] == "adamw":
             del d["optimizer"]  # runs from before the option (all AdamW) keep their identity
+        if d["schedule"] == "cosine":
+            del d["schedule"], d["decay_ratio"]  # likewise
         return d
 
 

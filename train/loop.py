@@ -187,6 +187,31 @@ def cosine_with_warmup(warmup: int, total: int, min_ratio: float):
     return factor
 
 
+def wsd_with_warmup(warmup: int, total: int, min_ratio: float, decay_ratio: float):
+    """LR multiplier of optimizer step ``s`` (0-based): linear warm-up to 1, held there, then a linear decay to
+    ``min_ratio`` over the last ``decay_ratio`` of the ``total`` steps (warm-up, stable, decay)."""
+    decay = max(1, round(decay_ratio * total))
+    start = max(warmup, total - decay)
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        if s < start:
+            return 1.0
+        progress = min(1.0, (s - start) / max(1, total - start))
+        return 1.0 - (1.0 - min_ratio) * progress
+
+    return factor
+
+
+def lr_schedule(cfg: TrainConfig, total: int):
+    """The LR multiplier of ``train.schedule`` over ``total`` optimizer steps."""
+    warmup = cfg.warmup_for(total)
+    if cfg.schedule == "wsd":
+        return wsd_with_warmup(warmup, total, cfg.min_lr_ratio, cfg.decay_ratio)
+    return cosine_with_warmup(warmup, total, cfg.min_lr_ratio)
+
+
 def total_steps(cfg: TrainConfig, data: Any) -> int:
     if cfg.epochs is None:
         return cfg.max_steps
@@ -364,8 +389,18 @@ def fit(
     n_steps = total_steps(cfg, data)
     vocab_ids = drafter.draft_to_target.cpu()
     optimizer_name = resolve_optimizer(cfg.optimizer, deepspeed=acc.state.deepspeed_plugin is not None)
+    muon_lr = cfg.muon_lr if optimizer_name == "muon" else None
     if acc.is_main_process:
-        log.info("optimizer: %s (train.optimizer=%s), lr %g", optimizer_name, cfg.optimizer, cfg.lr)
+        log.info(
+            "optimizer: %s (train.optimizer=%s), lr %g%s, %s schedule",
+            optimizer_name,
+            cfg.optimizer,
+            cfg.lr,
+            f", Muon lr {muon_lr:g}" if muon_lr is not None else "",
+            cfg.schedule,
+        )
+        if cfg.muon_lr is not None and muon_lr is None:
+            log.warning("train.muon_lr=%g is not used: the optimizer resolved to AdamW", cfg.muon_lr)
     identity = {
         "train": cfg.identity(optimizer_name),
         "total_steps": n_steps,
@@ -417,10 +452,9 @@ def fit(
         betas=cfg.betas,
         eps=cfg.adam_eps,
         fused=dev.type in ("cpu", "cuda"),  # one kernel per step instead of a chain of foreach ops
+        muon_lr=muon_lr,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, cosine_with_warmup(cfg.warmup_for(n_steps), n_steps, cfg.min_lr_ratio)
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg, n_steps))
     _configure_deepspeed(acc, cfg)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     if acc.gradient_accumulation_steps != cfg.grad_accum:

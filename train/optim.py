@@ -85,11 +85,13 @@ def build_optimizer(
     betas: tuple[float, float],
     eps: float,
     fused: bool,
+    muon_lr: float | None = None,
     adamw_names: tuple[str, ...] = ("lm_head",),
 ) -> torch.optim.Optimizer:
     """The trainable parameters of ``model`` under ``kind`` (``adamw`` or ``muon``).
 
-    With ``muon``, a 2-D parameter whose name contains one of ``adamw_names`` stays with AdamW.
+    With ``muon``, a 2-D parameter whose name contains one of ``adamw_names`` stays with AdamW, and the Muon part
+    takes ``muon_lr`` (None: ``lr``); the LR schedule scales each group from its own starting value.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     adamw_kw = dict(lr=lr, betas=betas, eps=eps, fused=fused)
@@ -102,5 +104,6 @@ def build_optimizer(
     rest = [p for (_, p), m in zip(named, on_muon) if not m]
     if not hidden:
         raise ValueError("train.optimizer=muon: the model has no trainable 2-D weight outside lm_head")
-    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+    muon_lr = lr if muon_lr is None else muon_lr
+    muon = torch.optim.Muon(hidden, lr=muon_lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
     return MuonWithAdamW(muon, torch.optim.AdamW(param_groups(rest, weight_decay), **adamw_kw))
