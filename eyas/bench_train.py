@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from eyas.train.optim import OPTIMIZERS
+
 MODES = {
     "fp32": dict(precision="fp32", bf16_lm_head=False),
     "bf16_head": dict(precision="fp32", bf16_lm_head=True),
@@ -80,8 +82,6 @@ class BenchTrainConfig:
         bad = sorted(set(self.modes) - set(MODES))
         if bad:
             raise ValueError(f"bench_train.modes: unknown {bad} (known: {list(MODES)})")
-        from eyas.train.optim import OPTIMIZERS
-
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"bench_train.optimizer must be one of {OPTIMIZERS}, not {self.optimizer!r}")
         if self.oov not in ("teacher", "label"):
