@@ -50,6 +50,9 @@ DrafterKind = Literal["none", "lookup", "model"]
 ``propose`` time) or ``model`` (EAGLE-3: priced by drafter forwards)."""
 DRAFTER_KINDS = ("none", "lookup", "model")
 
+TIE_RTOL = 1e-12
+"""Rates within this relative margin of the best count as tied; a tie goes to the shorter chain."""
+
 
 # -- costs -------------------------------------------------------------------------------------------------------
 def isotonic(values: Sequence[float]) -> list[float]:
@@ -501,7 +504,7 @@ def sweep_chain(
         curve.extended(k_max, False)  # raises with the measured range
     options = [predict_chain(costs, curve, context, k, drafter, extrapolate) for k in range(k_max + 1)]
     rates = [o.tokens_per_s for o in options]
-    best = max(range(len(options)), key=lambda k: (rates[k] > max(rates) * (1 - 1e-12), -k))
+    best = max(range(len(options)), key=lambda k: (rates[k] > max(rates) * (1 - TIE_RTOL), -k))
     return ChainSweep(context, options, best)
 
 
