@@ -20,7 +20,7 @@ from typing import Any
 
 from eyas.eval.acceptance import AcceptanceResult
 from eyas.eval.profile import StepProfile
-from eyas.eval.throughput import TIE_RTOL, AcceptanceCurve, CostCurves, sweep_chain
+from eyas.eval.throughput import AcceptanceCurve, CostCurves, shortest_fastest, sweep_chain
 
 
 @dataclass
@@ -104,6 +104,4 @@ def recommend_chain_length(
     mean = [
         sum(s.tokens_per_s[k] / s.tokens_per_s[0] for s in sets) / len(sets) for k in range(measured_k + 1)
     ]
-    top = max(mean)
-    best = next(k for k, x in enumerate(mean) if x >= top * (1 - TIE_RTOL))
-    return ChainLengthRecommendation(method, measured_k, best, mean, sets)
+    return ChainLengthRecommendation(method, measured_k, shortest_fastest(mean), mean, sets)

@@ -54,6 +54,13 @@ TIE_RTOL = 1e-12
 """Rates within this relative margin of the best count as tied; a tie goes to the shorter chain."""
 
 
+def shortest_fastest(rates: Sequence[float]) -> int:
+    """Index of the first (shortest-chain) rate within ``TIE_RTOL`` of the best: equal rates reached by different
+    sums may differ in the last bit, and the shorter chain wins such a tie."""
+    top = max(rates)
+    return next(k for k, r in enumerate(rates) if r >= top * (1 - TIE_RTOL))
+
+
 # -- costs -------------------------------------------------------------------------------------------------------
 def isotonic(values: Sequence[float]) -> list[float]:
     """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent violators)."""
@@ -503,9 +510,7 @@ def sweep_chain(
     if k_max > curve.measured_k and not extrapolate:
         curve.extended(k_max, False)  # raises with the measured range
     options = [predict_chain(costs, curve, context, k, drafter, extrapolate) for k in range(k_max + 1)]
-    rates = [o.tokens_per_s for o in options]
-    best = max(range(len(options)), key=lambda k: (rates[k] > max(rates) * (1 - TIE_RTOL), -k))
-    return ChainSweep(context, options, best)
+    return ChainSweep(context, options, shortest_fastest([o.tokens_per_s for o in options]))
 
 
 @dataclass
