@@ -23,6 +23,7 @@ from rich.table import Table  # noqa: E402
 from eyas.eval.acceptance import AcceptanceResult  # noqa: E402
 from eyas.eval.engine import EngineSetResult  # noqa: E402
 from eyas.eval.profile import StepProfile  # noqa: E402
+from eyas.eval.throughput import shortest_fastest  # noqa: E402
 
 
 def _save(fig, ax, path: Path, xlabel: str | None, ylabel: str, title: str, legend: int | None = 8) -> Path:
@@ -303,10 +304,11 @@ def plot_predicted_vs_measured(rows: list[dict[str, Any]], path: Path) -> Path:
 
 
 def plot_k_sweep(series: dict[str, list[float]], path: Path) -> Path:
-    """Predicted tokens/s against chain length K (entry K of each series; K = 0 is plain decoding)."""
+    """Predicted tokens/s against chain length K (entry K of each series; K = 0 is plain decoding); the star marks
+    the K that ``sweep_chain`` recommends (``shortest_fastest``: a tie goes to the shorter chain)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, ys in series.items():
-        best = max(range(len(ys)), key=lambda k: ys[k])
+        best = shortest_fastest(ys)
         line = ax.plot(range(len(ys)), ys, marker="o", label=name)[0]
         ax.plot([best], [ys[best]], marker="*", markersize=14, color=line.get_color())
     title = "Predicted tokens/s against K (★ = best)"
