@@ -327,6 +327,33 @@ def test_bf16_head_keeps_the_loss_close_to_fp32():
     assert losses[1] == pytest.approx(losses[0], rel=2e-2) and losses[1] != losses[0]
 
 
+@pytest.mark.parametrize(
+    ("ambient", "bf16_head", "want"),
+    [(False, False, torch.float32), (False, True, torch.bfloat16), (True, False, torch.bfloat16)],
+)
+def test_lm_head_runs_in_the_ambient_autocast_unless_bf16_head_opens_its_own(ambient, bf16_head, want):
+    """Under train.precision=bf16 (accelerate's autocast around the model) the drafter's lm_head matmul runs in
+    bf16 like the layer's; the loss once closed the autocast around it and left it in fp32."""
+    batch, head = _packed_batch(seed=2)
+    teacher = build_teacher(batch, VocabMaps.from_draft_ids(DRAFT, V), head=head, keep_oov=False)
+    drafter = _drafter()
+    seen: list[torch.dtype] = []
+    drafter.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    model = DistillationModel(drafter, [1.0] * K, bf16_head=bf16_head)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ambient):
+        out = model(batch.input_ids, batch.aux, batch.position_ids, batch.segment_ids, teacher, 10.0)
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and torch.isfinite(drafter.lm_head.weight.grad).all()
+    assert seen and set(seen) == {want}
+
+
+def test_bf16_runs_key_the_lm_head_precision():
+    """The key keeps a bf16 checkpoint of the fp32-head numerics from resuming into the bf16-head ones."""
+    assert TrainConfig(precision="bf16").identity()["lm_head_bf16"] is True
+    assert "lm_head_bf16" not in TrainConfig(precision="fp32").identity()
+    assert "lm_head_bf16" not in TrainConfig(precision="bf16", bf16_lm_head=True).identity()  # as before
+
+
 @pytest.mark.parametrize("form", ["hidden", "topk"])
 def test_label_rule_counts_an_out_of_vocabulary_target_argmax_as_a_miss(form):
     """oov_rule=label keeps rows whose data token is a draft token; when the target's own argmax is not a draft

@@ -15,6 +15,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from eyas.common import ConfigError, build_config
 from eyas.serving.target import TargetConfig
 from eyas.train.optim import OPTIMIZERS
@@ -170,6 +172,13 @@ def check_loader_settings(settings: dict[str, Any]) -> None:
         raise ConfigError(f"train.data.{e}") from None
 
 
+def resolve_mixed_precision(precision: str) -> str:
+    """accelerate's ``mixed_precision`` for ``train.precision``: ``bf16`` or ``no``."""
+    if precision == "auto":
+        return "bf16" if torch.cuda.is_available() else "no"
+    return "bf16" if precision == "bf16" else "no"
+
+
 @dataclass
 class TrainConfig:
     """One training run (conf/train/*.yaml). Steps count optimizer updates."""
@@ -235,7 +244,8 @@ class TrainConfig:
     """Extra loss weight of the rows a served greedy chain starts from: row ``t`` weighs ``1 + miss_weight`` when
     the drafter's step 0 at row ``t - 1`` missed (``train.losses.ttt_loss``). 0 (the default): every row alike."""
     precision: str = "auto"
-    """``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (autocast; on CPU too)."""
+    """``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (autocast, on CPU too: the layer, ``fc`` and
+    ``lm_head`` matmuls in bf16; the loss's softmax in fp32)."""
     bf16_lm_head: bool = False
     """Run only the drafter's lm_head in bf16 (autocast) when ``precision=fp32``: the dominant matmul of a
     32k-token draft vocabulary, ~4x faster in bf16 on CPUs with bf16 units (see eyas/bench_train.py)."""
@@ -365,6 +375,10 @@ class TrainConfig:
             del d["optimizer"]  # runs from before the option (all AdamW) keep their identity
         if d["schedule"] == "cosine":
             del d["schedule"], d["decay_ratio"]  # likewise
+        if resolve_mixed_precision(self.precision) == "bf16" and not self.bf16_lm_head:
+            # a bf16 run's lm_head runs under its autocast now; before this key the loss switched the autocast
+            # off around it (fp32 logits), so a checkpoint of those numerics is not resumed into these
+            d["lm_head_bf16"] = True
         return d
 
 

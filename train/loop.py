@@ -48,7 +48,7 @@ from eyas.train.checkpoint import (
     save_checkpoint,
     trainable_weights,
 )
-from eyas.train.config import TrainConfig
+from eyas.train.config import TrainConfig, resolve_mixed_precision
 from eyas.train.losses import (
     ChainCounts,
     DistillationModel,
@@ -135,12 +135,6 @@ class TrainResult:
 
 
 # -- setup helpers ----------------------------------------------------------------------------------------------
-def resolve_mixed_precision(precision: str) -> str:
-    if precision == "auto":
-        return "bf16" if torch.cuda.is_available() else "no"
-    return "bf16" if precision == "bf16" else "no"
-
-
 def make_accelerator(cfg: TrainConfig):
     """The Accelerator for ``cfg`` (the launch config picks DDP / DeepSpeed / CPU; this picks precision)."""
     from accelerate import Accelerator

@@ -40,6 +40,7 @@ Design decisions:
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -516,7 +517,12 @@ class DistillationModel(nn.Module):
         out = self.drafter.forward_ttt(
             input_ids, aux, steps=len(self.step_weights), position_ids=position_ids, segment_ids=segment_ids
         )
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=self.bf16_head):
+        # bf16_head opens an autocast of its own; otherwise the head runs in the ambient precision (under
+        # train.precision=bf16, accelerate's autocast: an enabled=False context here would turn it off)
+        head_ctx = (
+            torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if self.bf16_head else nullcontext()
+        )
+        with head_ctx:
             res = ttt_loss(
                 self.drafter,
                 out,
