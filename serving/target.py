@@ -225,7 +225,24 @@ class TargetHead(nn.Module):
         """Logits over the whole vocabulary, or over ``rows`` (e.g. the draft vocabulary) only."""
         w = self.weight if rows is None else self.weight.index_select(0, rows)
         b = None if self.bias is None else (self.bias if rows is None else self.bias.index_select(0, rows))
-        logits = nn.functional.linear(hidden.to(w.dtype), w, b).float()
+        return self._post(nn.functional.linear(hidden.to(w.dtype), w, b).float())
+
+    def argmax_and_logits(
+        self, hidden: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax over the whole vocabulary ([N]) and the fp32 logits of ``rows`` ([N, len(rows)]), what
+        ``forward`` gives as ``forward(hidden).argmax(-1)`` and ``forward(hidden)[:, rows]``.
+
+        Without a softcap the whole vocabulary's logits stay in the head's dtype: a positive scale cannot
+        reorder them, and their fp32 copy cost as much as a fifth of the full head's matmul (a drafter training
+        step's teacher on CPU). A softcap can tie large logits in fp32, so there the argmax is taken after it."""
+        raw = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        if self.softcap or (self.scale is not None and self.scale <= 0):
+            full = self._post(raw.float())
+            return full.argmax(-1), full.index_select(1, rows)
+        return raw.argmax(-1), self._post(raw.index_select(1, rows).float())
+
+    def _post(self, logits: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
             logits = logits * self.scale
         if self.softcap:

@@ -347,6 +347,23 @@ def test_lm_head_runs_in_the_ambient_autocast_unless_bf16_head_opens_its_own(amb
     assert seen and set(seen) == {want}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "scale"), [(None, None), (None, 0.25), (30.0, None), (None, -1.0)])
+def test_head_argmax_and_logits_match_the_full_fp32_logits(dtype, softcap, scale):
+    """The teacher's shortcut (argmax in the head's dtype, fp32 only for the draft rows) gives exactly what the
+    full fp32 logits give, ties included (a bf16 head has many)."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(V, H, generator=g) * 4.0).to(dtype)
+    head = TargetHead(w, softcap=softcap, scale=scale)
+    hidden = torch.randn(40, H, generator=g).to(dtype)
+    hidden[1] = 0.0  # every logit equal: the first index must win in both
+    rows = DRAFT
+    top, sub = head.argmax_and_logits(hidden, rows)
+    full = head(hidden)
+    assert torch.equal(top, full.argmax(-1)) and top[1] == 0
+    assert sub.dtype == torch.float32 and torch.equal(sub, full[:, rows])
+
+
 def test_bf16_runs_key_the_lm_head_precision():
     """The key keeps a bf16 checkpoint of the fp32-head numerics from resuming into the bf16-head ones."""
     assert TrainConfig(precision="bf16").identity()["lm_head_bf16"] is True

@@ -51,7 +51,7 @@ from eyas.data.types import Batch
 from eyas.serving.drafter import Eagle3Drafter, TTTOutput
 from eyas.serving.target import TargetHead
 
-_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the full-vocabulary teacher head (256 MiB)
+_CHUNK_ELEMENTS = 1 << 26  # logits per chunk of the full-vocabulary teacher head (256 MiB in fp32)
 
 
 # -- the draft vocabulary on the device -------------------------------------------------------------------------
@@ -169,9 +169,9 @@ def build_teacher(
             chunk = max(1, _CHUNK_ELEMENTS // int(head.weight.shape[0]))
             parts = []
             for s in range(0, row_b.numel(), chunk):
-                logits = head(hidden[s : s + chunk])  # [c, V] fp32
-                target_argmax[s : s + chunk] = logits.argmax(-1)
-                parts.append(logits.index_select(1, maps.draft_to_target))  # [c, Vd]
+                top, logits = head.argmax_and_logits(hidden[s : s + chunk], maps.draft_to_target)
+                target_argmax[s : s + chunk] = top
+                parts.append(logits)  # [c, Vd] fp32
             draft_logits = torch.cat(parts) if parts else hidden.new_zeros(0, vd, dtype=torch.float32)
         else:
             if draft_rows_head is None:
