@@ -481,7 +481,8 @@ class DistillationModel(nn.Module):
     in module hooks, so every parameter use happens inside this forward).
 
     ``bf16_head`` runs only the drafter's ``lm_head`` under bf16 autocast (the TTT layer stays in the ambient
-    precision): on CPUs with bf16 units that matmul dominates the step and runs ~4x faster in bf16.
+    precision): on CPUs with bf16 units that matmul dominates the step and runs ~4x faster in bf16. Without it the
+    head runs in the ambient precision, bf16 under ``train.precision=bf16``.
 
     ``feature_weight`` > 0 adds a feature term to the training loss (not to evaluation's): each step's output at
     row ``t`` is fed to the next step as the hidden of position ``t + j + 1``, where a context row carries
