@@ -199,9 +199,14 @@ def stage_extract(
 
 def train_key(store, dcfg, tcfg) -> str:
     """The training run's directory name: the store's data (``Manifest.data_identity``, what the trainer's
-    resume check compares), the drafter and the training settings. Two stores of one target (the corpus's
-    answers and the target's, say) must not share a run."""
-    return json_hash({**store.manifest.data_identity(), "drafter": asdict(dcfg), "train": tcfg.identity()})
+    resume check compares), the drafter and the training settings, with ``train.optimizer=auto`` resolved as the
+    trainer resolves it for this launch. Two stores of one target (the corpus's answers and the target's, say)
+    must not share a run, nor a DeepSpeed launch (AdamW) and a plain one (Muon) of the same settings."""
+    from eyas.train.optim import deepspeed_launch, resolve_optimizer
+
+    optimizer = resolve_optimizer(tcfg.optimizer, deepspeed=deepspeed_launch())
+    train = tcfg.identity(optimizer)
+    return json_hash({**store.manifest.data_identity(), "drafter": asdict(dcfg), "train": train})
 
 
 def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path, target_cfg: TargetConfig):

@@ -68,3 +68,26 @@ def test_two_stores_of_one_target_train_in_separate_runs(tmp_path):
     assert train_key(a, d, t) != train_key(b, d, t)
     assert train_key(a, d, t) == train_key(a2, d, t)  # same data, same settings: the run resumes
     assert train_key(a, d, t) != train_key(a, d, TrainConfig(lr=3e-3))
+
+
+def test_train_key_resolves_the_optimizer_as_the_launch_does(tmp_path, monkeypatch):
+    """``train.optimizer=auto`` is Muon in a plain launch and AdamW under DeepSpeed, and the trainer's resume check
+    compares the resolved name: the two launches of one config must not share a run directory, while ``auto`` and
+    the optimizer it resolves to, named outright, must."""
+    from eyas.data.extract import extract
+    from eyas.data.store import FeatureStore
+    from eyas.pipeline import train_key
+    from eyas.train.config import DraftModelConfig, TrainConfig
+
+    target = make_tiny_target("llama")
+    cfg = ExtractConfig(store=StoreOptions(distribution="topk", topk=4), shard_size=4, progress=False)
+    extract(_samples(4, target.info.vocab_size), target, tmp_path / "s", cfg)
+    store = FeatureStore(tmp_path / "s", expect_target=target.info)
+    d = DraftModelConfig()
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    plain = train_key(store, d, TrainConfig(optimizer="auto"))
+    assert plain == train_key(store, d, TrainConfig(optimizer="muon"))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    under_ds = train_key(store, d, TrainConfig(optimizer="auto"))
+    assert under_ds != plain
+    assert under_ds == train_key(store, d, TrainConfig(optimizer="adamw"))

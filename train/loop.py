@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +57,7 @@ from eyas.train.losses import (
     supervised_positions,
 )
 from eyas.train.metrics import AcceptanceEstimate, MetricsLogger, simulated_acceptance
-from eyas.train.optim import build_optimizer, resolve_optimizer
+from eyas.train.optim import build_optimizer, deepspeed_launch, resolve_optimizer
 from eyas.train.sources import BatchSource
 
 log = logging.getLogger(__name__)
@@ -141,7 +140,7 @@ def make_accelerator(cfg: TrainConfig):
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     handlers: list[Any] = [DistributedDataParallelKwargs(broadcast_buffers=False)]
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    deepspeed = deepspeed_launch()
     gpu = torch.cuda.is_available()
     if deepspeed and not gpu:
         # accelerate finds no device backend on a CPU-only machine and would leave every DeepSpeed process

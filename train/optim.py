@@ -9,11 +9,18 @@ heads and vectors.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 OPTIMIZERS = ("auto", "adamw", "muon")
+
+
+def deepspeed_launch() -> bool:
+    """Whether this process was launched under DeepSpeed (``accelerate launch`` with a DeepSpeed config sets
+    ``ACCELERATE_USE_DEEPSPEED``): what ``train.optimizer=auto`` resolves by, known before accelerate starts."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 def resolve_optimizer(name: str, *, deepspeed: bool) -> str:
