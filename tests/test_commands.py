@@ -213,7 +213,7 @@ def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
     assert base == (200, 3e-4, 7, "adamw")  # the study's base
     # another train config on the command line is the base of the variants, not overridden by the study's
     bench = pipeline_job(_compose("recipe", ["train=bench"])).train
-    assert (bench.epochs, bench.lr, bench.ttt_steps, bench.data.loader["max_tokens"]) == (2, 2e-3, 3, 1024)
+    assert (bench.epochs, bench.lr, bench.ttt_steps, bench.data.loader["max_tokens"]) == (2, 2e-3, 4, 1024)
     assert (bench.optimizer, bench.schedule, bench.decay_ratio) == ("auto", "wsd", 0.2)
     _, t = variant_configs(
         build_config(RecipeConfig, {"variants": [{"name": "x"}]}).variants[0], job.drafter, bench, 0
