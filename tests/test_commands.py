@@ -218,7 +218,7 @@ def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
     _, t = variant_configs(
         build_config(RecipeConfig, {"variants": [{"name": "x"}]}).variants[0], job.drafter, bench, 0
     )
-    assert (t.epochs, t.ttt_steps) == (2, 3)
+    assert (t.epochs, t.ttt_steps) == (2, 4)
     bad = {"name": "x", "drafter": {"init": "warm"}}
     with pytest.raises(ValueError, match="drafter.init must be"):
         variant_configs(
