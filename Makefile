@@ -69,15 +69,15 @@ demo: venv
 
 # The benchmark budget (regeneration, a larger store, training, eval, the train/extract benches); writes BENCH.md.
 bench: venv
-	$(BIN)/python -m eyas.bench threads=2
+	$(BIN)/python -m eyas.lab.bench threads=2
 
 # Drafter-training throughput and peak memory (the README's row).
 bench-train: venv
-	$(BIN)/python -m eyas.bench_train 'bench_train.vocab=[8192,32768]' 'bench_train.modes=[bf16,fp32]' bench_train.threads=2
+	$(BIN)/python -m eyas.lab.bench_train 'bench_train.vocab=[8192,32768]' 'bench_train.modes=[bf16,fp32]' bench_train.threads=2
 
 # Extraction speed against a bare forward, and store bytes per token (the README's rows).
 bench-extract: venv
-	$(BIN)/python -m eyas.bench_extract bench_extract.samples=48 bench_extract.threads=2 bench_extract.repeats=2
+	$(BIN)/python -m eyas.lab.bench_extract bench_extract.samples=48 bench_extract.threads=2 bench_extract.repeats=2
 
 # Lint, format check, then the test suite.
 test: venv lint

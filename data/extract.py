@@ -79,8 +79,8 @@ from eyas.data.store import (
     write_safetensors,
 )
 from eyas.data.types import Sample
-from eyas.serving.engines import EngineServerConfig
-from eyas.serving.target import TargetConfig
+from eyas.serving.engine_process import EngineServerConfig
+from eyas.serving.models.target import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -684,7 +684,7 @@ class ExtractJob:
 
 def run(job: ExtractJob, target=None) -> ExtractResult:
     """Extract ``job.extract.samples`` into ``job.extract.out_dir`` with the target (loaded unless given)."""
-    from eyas.serving.target import load_target
+    from eyas.serving.models.target import load_target
 
     for key in ("samples", "out_dir"):
         if not getattr(job.extract, key):

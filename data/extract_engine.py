@@ -50,7 +50,7 @@ from torch import nn
 
 from eyas.data.store import FeatureCodec
 from eyas.data.types import Sample
-from eyas.serving.engines import (
+from eyas.serving.engine_process import (
     REPO_ROOT,
     EngineError,
     EngineServer,
@@ -62,7 +62,7 @@ from eyas.serving.engines import (
     served_model_name,
     vllm_server_command,
 )
-from eyas.serving.target import (
+from eyas.serving.models.target import (
     TargetConfig,
     TargetHead,
     TargetInfo,
@@ -409,7 +409,7 @@ def load_engine_target(cfg: TargetConfig, dtype: str, need_head: bool) -> Engine
             "target %s: final norm%s read from its checkpoint", name, " and LM head" if need_head else ""
         )
         return EngineTarget(info, tdtype, norm, head, tokenizer)
-    from eyas.serving.target import load_target
+    from eyas.serving.models.target import load_target
 
     log.warning(
         "target %s: could not read its final norm%s from the checkpoint alone; loading the whole target for them",

@@ -40,7 +40,7 @@ from eyas.data.corpora.mixtures import CorpusSplits, load_corpus
 from eyas.data.corpora.readers import iter_jsonl
 from eyas.data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
 from eyas.data.types import Conversation, Sample
-from eyas.serving.target import TargetConfig
+from eyas.serving.models.target import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def config_hash(cfg: PrepareConfig, tokenizer_fingerprint: str, target_name: str
 def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult:
     """Run the stage. ``target`` (a :class:`serving.target.Target`) is needed to regenerate; otherwise its
     tokenizer, or ``tokenizer`` alone, is enough."""
-    from eyas.serving.target import tokenizer_hash
+    from eyas.serving.models.target import tokenizer_hash
 
     if cfg.regenerate and target is None:
         raise ValueError("prepare.regenerate=true needs the target model (pass target=load_target(...))")
@@ -361,7 +361,7 @@ def prepare_job(cfg) -> PrepareJob:
 
 def run(job: PrepareJob, target=None) -> PrepareResult:
     """The stage: the target is loaded (unless given) only to regenerate; formatting needs its tokenizer."""
-    from eyas.serving.target import load_target
+    from eyas.serving.models.target import load_target
 
     pcfg = job.prepare
     if pcfg.threads:
@@ -379,8 +379,8 @@ def load_tokenizer(tcfg):
     """The tokenizer of the target described by ``tcfg`` (a ``TargetConfig``), without loading the model."""
     from transformers import AutoTokenizer
 
-    from eyas.serving.embedded import convert_gguf
-    from eyas.serving.target import _resolve_source
+    from eyas.serving.models.embedded import convert_gguf
+    from eyas.serving.models.target import _resolve_source
 
     path, gguf_file, _ = _resolve_source(tcfg)
     if gguf_file is not None:

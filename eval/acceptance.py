@@ -20,8 +20,9 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from eyas.serving.drafter import Eagle3Drafter
 from eyas.serving.loop import GenerationResult, generate
+from eyas.serving.models.drafter import Eagle3Drafter
+from eyas.serving.models.target import Target
 from eyas.serving.proposers import (
     Eagle3Proposer,
     Eagle3ProposerConfig,
@@ -30,7 +31,6 @@ from eyas.serving.proposers import (
     PromptLookupProposer,
     Proposer,
 )
-from eyas.serving.target import Target
 from eyas.serving.tree import TreeConfig
 from eyas.serving.verify import SamplingConfig
 

@@ -612,7 +612,7 @@ def _drafter_costs(
     """(weight bytes per GPU, KV bytes per token per GPU) of an EAGLE-3 drafter for this target."""
     from types import SimpleNamespace
 
-    from eyas.serving.drafter import DrafterConfig
+    from eyas.serving.models.drafter import DrafterConfig
 
     aux = [1, s.num_layers // 2 - 1, s.num_layers - 4] if s.num_layers >= 8 else [0, 1, 2]
     d = DrafterConfig.from_target(SimpleNamespace(**cfg), aux, min(pc.draft_vocab_size, s.vocab_size))

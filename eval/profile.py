@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from eyas.serving.drafter import Eagle3Drafter
-from eyas.serving.kv_cache import SlotCache
 from eyas.serving.loop import prefill, tree_forward
-from eyas.serving.target import Target
+from eyas.serving.models.drafter import Eagle3Drafter
+from eyas.serving.models.kv_cache import SlotCache
+from eyas.serving.models.target import Target
 from eyas.serving.tree import DraftTree, chain_tree
 from eyas.serving.verify import SamplingConfig, verify
 

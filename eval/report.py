@@ -21,7 +21,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from eyas.eval.acceptance import AcceptanceResult  # noqa: E402
-from eyas.eval.engine import EngineSetResult  # noqa: E402
+from eyas.eval.engine_eval import EngineSetResult  # noqa: E402
 from eyas.eval.profile import StepProfile  # noqa: E402
 from eyas.eval.throughput import shortest_fastest  # noqa: E402
 

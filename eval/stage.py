@@ -17,12 +17,13 @@ import torch
 
 from eyas.common import ConfigError, build_config, json_hash
 from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
-from eyas.eval.engine import EngineSetResult
+from eyas.eval.engine_eval import EngineSetResult
 from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
 from eyas.eval.recommend import ChainLengthRecommendation, recommend_chain_length
-from eyas.serving.engines import ENGINES, EngineName, EngineServerConfig
-from eyas.serving.exact_attention import EXACT, MAX_ROWS, probe
-from eyas.serving.target import Target, TargetConfig, cpu_has_bf16
+from eyas.serving.engine_process import ENGINES, EngineName, EngineServerConfig
+from eyas.serving.exactness import probe
+from eyas.serving.models.exact_attention import EXACT, MAX_ROWS
+from eyas.serving.models.target import Target, TargetConfig, cpu_has_bf16
 from eyas.serving.tree import TreeConfig
 from eyas.serving.verify import SamplingConfig
 
@@ -58,7 +59,7 @@ class EvalStageConfig:
     """torch CPU threads during evaluation, and the CPU engine server's OMP_NUM_THREADS (None: leave as is)."""
     dtype: str = "auto"
     """Target numerics of the evaluation. ``auto`` on CPU: bfloat16 with row-exact attention
-    (:mod:`eyas.serving.exact_attention`) where the CPU has bf16 units and a probe finds every verify row bitwise
+    (:mod:`eyas.serving.models.exact_attention`) where the CPU has bf16 units and a probe finds every verify row bitwise
     equal to one-token decoding, so greedy chain output must equal plain decoding's token for token (a mismatch
     is a bug) while a multi-token verify costs what it costs in serving (7 tokens ~1.1x one; in fp32 on a small
     CPU ~1.9x, compute-bound); float32 otherwise. ``auto`` elsewhere: the loaded target's dtype and attention
@@ -175,8 +176,8 @@ def run(
     stages for the report."""
     from eyas.eval.prompts import load_prompt_ids
     from eyas.eval.report import print_engine_table, print_table, write_report
-    from eyas.serving.drafters import load_drafter, with_drafter_aux_layers
-    from eyas.serving.target import load_target
+    from eyas.serving.load import load_drafter, with_drafter_aux_layers
+    from eyas.serving.models.target import load_target
 
     ecfg = job.eval
     engine_only = ecfg.engine != "bundled" and not ecfg.bundled
@@ -302,9 +303,9 @@ def run_engine(
 ) -> list[EngineSetResult]:
     """The prompt sets inside ``eval.engine``: at ``eval.server_url``, else a server eyas starts with the target
     and ``export_dir`` as its drafter (log: ``<out>/engine_server.log``) and stops on every exit path."""
-    from eyas.eval.engine import EngineClient, measure
-    from eyas.serving.engines import engine_server
-    from eyas.serving.target import model_source
+    from eyas.eval.engine_eval import EngineClient, measure
+    from eyas.serving.engine_process import engine_server
+    from eyas.serving.models.target import model_source
 
     ecfg = job.eval
     if ecfg.server_url:
@@ -329,7 +330,7 @@ def run_engine(
 def _load_tokenizer(tcfg: TargetConfig):
     from transformers import AutoTokenizer
 
-    from eyas.serving.target import model_source
+    from eyas.serving.models.target import model_source
 
     path, _ = model_source(tcfg)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=tcfg.trust_remote_code)

@@ -13,9 +13,9 @@ import sys
 
 COMMANDS = {
     "demo": ("eyas.pipeline", "the whole pipeline on the embedded default target; prints the result table"),
-    "bench": ("eyas.bench", "the benchmark: larger data budget, BENCH.md with the headline numbers"),
+    "bench": ("eyas.lab.bench", "the benchmark: larger data budget, BENCH.md with the headline numbers"),
     "recipe": (
-        "eyas.recipe",
+        "eyas.lab.recipe",
         "the drafter recipe study: several recipes on one store, held-out tau per recipe",
     ),
     "prepare": (
@@ -37,7 +37,7 @@ COMMANDS = {
         "explain tokens/s = tau / step time; recommend K (`diagnose=smoke` for a one-minute check)",
     ),
     "context": (
-        "eyas.eval.context",
+        "eyas.eval.context_sweep",
         "τ, step time and tokens/s against context length (prompts after long real prefixes)",
     ),
     "plan": ("eyas.eval.plan", "KV-cache and context-length arithmetic from a model config"),

@@ -37,7 +37,7 @@ from eyas.data.prepare import PrepareConfig
 from eyas.eval.acceptance import AcceptanceResult
 from eyas.eval.profile import StepProfile
 from eyas.eval.stage import EvalStageConfig
-from eyas.serving.target import Target, TargetConfig
+from eyas.serving.models.target import Target, TargetConfig
 from eyas.train.config import DraftModelConfig, TrainConfig
 
 if TYPE_CHECKING:
@@ -98,8 +98,8 @@ def extraction_speed_check(
     import tempfile
     from dataclasses import replace
 
-    from eyas.bench_extract import bare_forward, timed
     from eyas.data.extract import extract
+    from eyas.lab.bench_extract import bare_forward, timed
 
     sub, n = [], 0
     for s in samples:
@@ -132,8 +132,8 @@ def extraction_speed_check(
 
 def store_sizes(target: Target) -> dict[str, BytesPerToken]:
     """Bytes per token of every storage option for this target."""
-    from eyas.bench_extract import OPTIONS
     from eyas.data.store import bytes_per_token
+    from eyas.lab.bench_extract import OPTIONS
 
     info = target.info
     return {
@@ -324,7 +324,7 @@ def pipeline_job(cfg) -> PipelineJob:
 
 def run_pipeline(cfg) -> PipelineResult:
     """Run every stage for the Hydra config ``cfg`` (see the module docstring)."""
-    from eyas.serving.target import load_target
+    from eyas.serving.models.target import load_target
 
     os.environ.setdefault("WANDB_SILENT", "true")  # the pipeline prints its own summary
     job = pipeline_job(cfg)

@@ -59,9 +59,9 @@ from eyas.common import (
     ensure_out_dir,
     exit_on_config_error,
 )
-from eyas.serving.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
-from eyas.serving.drafters import SGLANG_ARCH, DrafterLoadError, export_format
-from eyas.serving.target import TargetConfig, aux_layer_problem
+from eyas.serving.load import SGLANG_ARCH, DrafterLoadError, export_format
+from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
+from eyas.serving.models.target import TargetConfig, aux_layer_problem
 
 log = logging.getLogger(__name__)
 
@@ -934,8 +934,8 @@ class ExportJob:
 def run(job: ExportJob, target=None) -> dict[str, Any]:
     """Export ``job.export.checkpoint`` for SGLang / vLLM, load it back and check it reproduces the checkpoint's
     logits; returns :func:`describe_export` plus the round-trip error."""
-    from eyas.serving.drafter import load_trained_drafter
-    from eyas.serving.target import load_target
+    from eyas.serving.models.drafter import load_trained_drafter
+    from eyas.serving.models.target import load_target
 
     e = job.export
     for key in ("checkpoint", "out_dir"):

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eyas.serving.kv_cache import SlotCache
+from eyas.serving.models.kv_cache import SlotCache
+from eyas.serving.models.target import Target, TargetOutput
 from eyas.serving.proposers import AcceptedTokens, DraftContext, Mode, Proposer
-from eyas.serving.target import Target, TargetOutput
 from eyas.serving.tree import DraftTree
 from eyas.serving.verify import SamplingConfig, sample, verify, warp_probs
 

@@ -27,9 +27,9 @@ from typing import Literal, Protocol
 
 import torch
 
-from eyas.serving.drafter import Eagle3Drafter
-from eyas.serving.kv_cache import SlotCache
-from eyas.serving.target import TargetInfo
+from eyas.serving.models.drafter import Eagle3Drafter
+from eyas.serving.models.kv_cache import SlotCache
+from eyas.serving.models.target import TargetInfo
 from eyas.serving.tree import DraftTree, TreeConfig, build_dynamic_tree, chain_tree
 from eyas.serving.verify import SamplingConfig, VerifyResult, sample, warp_probs
 

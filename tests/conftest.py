@@ -36,8 +36,8 @@ class _TinyTokenizer:
 
 
 def make_tiny_target(arch: str = "llama", seed: int = 0, **kw):
-    from eyas.serving.target import target_from_model
-    from eyas.serving.tiny import tiny_model
+    from eyas.serving.models.target import target_from_model
+    from eyas.serving.models.tiny import tiny_model
 
     model = tiny_model(arch, seed=seed, **kw)
     return target_from_model(model, _TinyTokenizer(model.config.vocab_size), name=f"tiny-{arch}")
@@ -46,7 +46,7 @@ def make_tiny_target(arch: str = "llama", seed: int = 0, **kw):
 @pytest.fixture(scope="session")
 def embedded_target_fp32():
     """SmolLM2-135M-Instruct in fp32 (exactness tests)."""
-    from eyas.serving.target import TargetConfig, load_target
+    from eyas.serving.models.target import TargetConfig, load_target
 
     return load_target(TargetConfig(dtype="float32", device="cpu"))
 
@@ -54,9 +54,8 @@ def embedded_target_fp32():
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
     """A tiny llama + chat tokenizer saved as a model directory (what ``target.path`` takes in a launched job)."""
-    from eyas.serving.tiny import tiny_model
-
-    from .tokenizers import make_chat_tokenizer
+    from eyas.serving.models.tiny import tiny_model
+    from tests.tokenizers import make_chat_tokenizer
 
     d = tmp_path_factory.mktemp("tiny_target")
     tok = make_chat_tokenizer("chatml")

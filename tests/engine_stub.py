@@ -1,4 +1,4 @@
-"""A stand-in for a vLLM / SGLang server, for tests of eval/engine.py without either engine installed.
+"""A stand-in for a vLLM / SGLang server, for tests of eval/engine_eval.py without either engine installed.
 
 ``python engine_stub.py --port P [--accept A] [--k K] [--ready-after S] [--die] [--never-ready]``
 

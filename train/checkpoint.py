@@ -49,7 +49,7 @@ from eyas.common import (
     recover_dir,
     replace_dir,
 )
-from eyas.serving.drafter import WEIGHTS_FILE, save_drafter_weights
+from eyas.serving.models.drafter import WEIGHTS_FILE, save_drafter_weights
 from eyas.train.config import diff_identity
 
 log = logging.getLogger(__name__)

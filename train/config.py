@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from eyas.common import ConfigError, build_config
-from eyas.serving.target import TargetConfig
+from eyas.serving.models.target import TargetConfig
 from eyas.train.optim import OPTIMIZERS
 
 TEACHERS = ("auto", "hidden", "topk")
@@ -248,7 +248,7 @@ class TrainConfig:
     ``lm_head`` matmuls in bf16; the loss's softmax in fp32)."""
     bf16_lm_head: bool = False
     """Run only the drafter's lm_head in bf16 (autocast) when ``precision=fp32``: the dominant matmul of a
-    32k-token draft vocabulary, ~4x faster in bf16 on CPUs with bf16 units (see eyas/bench_train.py)."""
+    32k-token draft vocabulary, ~4x faster in bf16 on CPUs with bf16 units (see eyas/lab/bench_train.py)."""
     seed: int = 0
     eval_every: int = 200
     """Steps between simulated-acceptance evaluations on the held-out split (0: only at the end)."""

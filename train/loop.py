@@ -35,8 +35,8 @@ from tqdm.auto import tqdm
 
 from eyas.common import ensure_out_dir, json_hash
 from eyas.data.types import Batch
-from eyas.serving.drafter import Eagle3Drafter
-from eyas.serving.target import TargetHead
+from eyas.serving.models.drafter import Eagle3Drafter
+from eyas.serving.models.target import TargetHead
 from eyas.train.checkpoint import (
     TrainerState,
     checkpoints_root,

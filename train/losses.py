@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.data.types import Batch
-from eyas.serving.drafter import Eagle3Drafter, TTTOutput
-from eyas.serving.target import TargetHead
+from eyas.serving.models.drafter import Eagle3Drafter, TTTOutput
+from eyas.serving.models.target import TargetHead
 
 _CHUNK_ELEMENTS = 1 << 26  # logits per chunk of the full-vocabulary teacher head (256 MiB in fp32)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from eyas.common import InputError, build_config, ensure_out_dir
-from eyas.serving.drafter import DrafterConfig, Eagle3Drafter
+from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
 from eyas.train.config import DraftModelConfig, TrainConfig, TrainJob
 from eyas.train.sources import BatchSource, ListSource
 from eyas.train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
@@ -308,7 +308,7 @@ def run(job: TrainJob, target=None):
     and train (every process). The stage's one entry point: ``python -m eyas.train`` and the pipeline call it."""
     from dataclasses import replace
 
-    from eyas.serving.target import load_target
+    from eyas.serving.models.target import load_target
     from eyas.train.loop import fit, make_accelerator
 
     target_cfg, drafter_cfg, cfg = job.target, job.drafter, job.train

@@ -62,7 +62,7 @@ from eyas.eval.diagnose.config import (  # noqa: F401
     drafter_kind,
     method_specs,
 )
-from eyas.eval.diagnose.contexts import (  # noqa: F401
+from eyas.eval.diagnose.context_prompts import (  # noqa: F401
     ContextPrompts,
     build_prompts,
     filler_pairs,
@@ -91,7 +91,7 @@ from eyas.eval.diagnose.run import (  # noqa: F401
     diagnose,
     target_facts,
 )
-from eyas.serving.drafters import (  # noqa: F401 (drafter loading moved to serving)
+from eyas.serving.load import (  # noqa: F401 (drafter loading moved to serving)
     LoadedDrafter,
     find_drafter,
     load_drafter,

@@ -136,7 +136,7 @@ def project_context(
     path: str, cells: list[CellResult], costs: CostCurves, specs: dict[str, MethodSpec]
 ) -> list[ContextProjection]:
     """Price every chain point of a τ(context) measurement with ``costs`` (see :class:`ContextProjection`)."""
-    from eyas.eval.context import load_tau_context
+    from eyas.eval.context_sweep import load_tau_context
 
     measured = load_tau_context(path)
     costs = costs.monotone()

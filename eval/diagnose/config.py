@@ -13,7 +13,7 @@ from eyas.eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_m
 from eyas.eval.throughput import (
     DrafterKind,
 )
-from eyas.serving.target import TargetConfig
+from eyas.serving.models.target import TargetConfig
 from eyas.serving.tree import TreeConfig
 from eyas.serving.verify import SamplingConfig
 

@@ -14,16 +14,16 @@ from eyas.eval.acceptance import (
     make_proposer,
 )
 from eyas.eval.diagnose.config import DiagnoseConfig, DiagnoseError, method_specs
-from eyas.eval.diagnose.contexts import ContextPrompts
+from eyas.eval.diagnose.context_prompts import ContextPrompts
 from eyas.eval.profile import ProfileConfig, StepProfile, StepProfiler, time_ms
 from eyas.eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_messages  # noqa: F401
 from eyas.eval.throughput import (
     CostCurves,
 )
-from eyas.serving.drafter import Eagle3Drafter
 from eyas.serving.loop import GenerationResult, context_limit, generate
+from eyas.serving.models.drafter import Eagle3Drafter
+from eyas.serving.models.target import Target
 from eyas.serving.proposers import DraftContext, Proposer
-from eyas.serving.target import Target
 from eyas.serving.verify import SamplingConfig
 
 

@@ -7,13 +7,13 @@ from typing import Any
 
 from eyas.eval.diagnose.analysis import DiagnoseResult, analyse
 from eyas.eval.diagnose.config import DiagnoseConfig
-from eyas.eval.diagnose.contexts import ContextPrompts, build_prompts
+from eyas.eval.diagnose.context_prompts import ContextPrompts, build_prompts
 from eyas.eval.diagnose.measure import check_contexts, measure
 from eyas.eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_messages  # noqa: F401
-from eyas.serving.drafter import Eagle3Drafter
-from eyas.serving.drafters import LoadedDrafter, load_drafter, with_drafter_aux_layers
+from eyas.serving.load import LoadedDrafter, load_drafter, with_drafter_aux_layers
+from eyas.serving.models.drafter import Eagle3Drafter
+from eyas.serving.models.target import Target
 from eyas.serving.proposers import Proposer
-from eyas.serving.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def run(cfg: DiagnoseConfig, command: str = "") -> int:
     import torch
 
     from eyas.eval.diagnose.report import print_summary, write_report
-    from eyas.serving.target import load_target
+    from eyas.serving.models.target import load_target
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)

@@ -1,0 +1,368 @@
+"""τ against context length: ``eyas context`` (``python -m eyas.eval.context_sweep``, config ``conf/context.yaml``).
+
+Each prompt is put after a long, real prefix (earlier chat turns of a corpus, :mod:`data.long_context`) at every
+context length, and generated greedily with every method; the result is τ, acceptance per draft position, step
+time and tokens/s per (method, length), a JSON of every number, a markdown table and one figure with τ(context),
+step time(context) and tokens/s(context).
+
+Design decisions:
+- The generations are :func:`eval.acceptance.run_acceptance`'s (one prompt set per length), so the methods run
+  interleaved on identical prompts and code paths, and greedy outputs are checked against plain decoding.
+- Step time is the loop's own wall clock per verify step after prefill (draft + verify + bookkeeping), so
+  tokens/s = τ ÷ step time holds exactly for the numbers shown; the measured context of each length is the mean
+  context of its steps (prompt + tokens generated so far).
+- The prefix comes from the corpus's held-out split by default, and each prompt gets a different one (``offset``).
+- ``eval.diagnose`` reads the JSON written here (``tau_context=<path>``) to price each length with the τ measured
+  at that length.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.common import ConfigError, build_config, json_hash
+from eyas.eval.acceptance import AcceptanceResult, PromptSetSpec, default_methods, run_acceptance
+from eyas.serving.models.target import Target, TargetConfig
+from eyas.serving.verify import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "context.json"
+METHODS = ("eagle3-chain", "eagle3-tree", "prompt-lookup", "none")
+
+
+@dataclass
+class ContextConfig:
+    """What ``eyas context`` measures (``conf/context.yaml``, group ``context``)."""
+
+    checkpoint: str | None = None
+    """The drafter (an export or a trainer checkpoint directory); None measures the drafter-free methods only."""
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 7168])
+    """Context lengths: tokens of the prompt the target receives (prefix + prompt, chat template included)."""
+    prompts: PromptSetSpec = field(
+        default_factory=lambda: PromptSetSpec("mt_bench", "mt_bench", n=3, label="chat", max_new_tokens=64)
+    )
+    """The prompts put after the prefix (``n`` of them, ``max_new_tokens`` generated each)."""
+    prefix_corpus: str = "sharegpt"
+    """``conf/corpus`` corpus whose (user, assistant) turns make the prefix."""
+    prefix_split: str = "eval"
+    """Which split of it: ``eval`` (held out from training), ``train`` or ``all``."""
+    prefix_conversations: int = 200
+    """Conversations of the corpus the prefixes are drawn from."""
+    methods: list[str] = field(default_factory=lambda: ["eagle3-chain", "prompt-lookup", "none"])
+    """Which of ``eagle3-chain``, ``eagle3-tree``, ``prompt-lookup``, ``none`` (``none`` gives the speedup)."""
+    chain_length: int = 6
+    """K: draft tokens per step (chains and prompt lookup)."""
+    seed: int = 0
+    """Seeds the prompt choice."""
+    threads: int | None = None
+    """torch CPU threads (None: leave as is)."""
+    out_dir: str = "runs/context"
+    """Results go to ``<out_dir>/<hash of the settings, drafter and target>/``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompts, dict):
+            self.prompts = build_config(PromptSetSpec, self.prompts, "context.prompts")
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"context.lengths must be positive token counts, got {self.lengths}")
+        self.lengths = sorted(set(int(n) for n in self.lengths))
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"context.methods: unknown {bad} (known: {list(METHODS)})")
+        if self.chain_length < 1:
+            raise ValueError(f"context.chain_length (K) must be >= 1, got {self.chain_length}")
+
+
+@dataclass
+class ContextJob:
+    """What ``python -m eyas.eval.context_sweep`` runs (:func:`run`)."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
+
+
+@dataclass
+class ContextPoint:
+    """One (method, context length)."""
+
+    method: str
+    length: int
+    """Nominal context length."""
+    mean_context: float
+    """Mean context of the verify steps (prompt + tokens generated so far)."""
+    prompt_tokens: float
+    """Mean prompt length (prefix + prompt)."""
+    tau: float
+    acceptance_by_position: list[float]
+    step_ms: float
+    """Wall clock per verify step after prefill (draft + verify + the loop's own work)."""
+    draft_ms: float
+    verify_ms: float
+    tokens_per_s: float
+    """τ ÷ step time."""
+    speedup: float
+    """tokens/s over ``none`` at the same length (NaN without ``none``)."""
+    match_rate: float
+    """Share of prompts whose output equals plain decoding's (greedy: must be 1)."""
+    steps: int
+    chain_length: int = 0
+    """K the method drafted with (0: ``none``)."""
+    accepted: list[int] = field(default_factory=list)
+    """Tokens accepted at each verify step (what ``eval.diagnose`` prices with its own step costs)."""
+    drafted: list[int] = field(default_factory=list)
+    """Tokens drafted at each verify step."""
+
+
+@dataclass
+class ContextResult:
+    points: list[ContextPoint]
+    config: dict[str, Any]
+    target: dict[str, Any]
+    out: Path
+    seconds: float
+
+    def get(self, method: str, length: int) -> ContextPoint | None:
+        return next((p for p in self.points if p.method == method and p.length == length), None)
+
+    def tau_by_length(self, method: str) -> dict[int, float]:
+        return {p.length: p.tau for p in self.points if p.method == method}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "points": [asdict(p) for p in self.points],
+            "config": self.config,
+            "target": self.target,
+            "seconds": self.seconds,
+        }
+
+
+def build_context_prompts(cfg: ContextConfig, tokenizer) -> dict[int, list[list[int]]]:
+    """Length -> token-id prompts: each prompt of ``cfg.prompts`` after a real prefix reaching that length."""
+    from eyas.data.long_prefixes import pad_to_context, turn_pairs
+    from eyas.eval.prompts import prompt_messages
+
+    pairs = turn_pairs(cfg.prefix_corpus, cfg.prefix_conversations, cfg.prefix_split)
+    msgs = prompt_messages(cfg.prompts, cfg.seed)
+    return {
+        length: [pad_to_context(m, pairs, tokenizer, length, offset=7 * i) for i, m in enumerate(msgs)]
+        for length in cfg.lengths
+    }
+
+
+def points_from(
+    acc: AcceptanceResult, prompts: dict[int, list[list[int]]], chain_length: int
+) -> list[ContextPoint]:
+    """One :class:`ContextPoint` per result of the acceptance run (its prompt sets are named by length)."""
+    out = []
+    for r in acc.results:
+        length = int(r.prompt_set)
+        steps = max(r.steps, 1)
+        step_s = r.tau / r.decode_tokens_per_s if r.decode_tokens_per_s else float("nan")
+        ps = prompts[length]
+        out.append(
+            ContextPoint(
+                method=r.method,
+                length=length,
+                mean_context=r.mean_context,
+                prompt_tokens=sum(len(p) for p in ps) / len(ps),
+                tau=r.tau,
+                acceptance_by_position=r.acceptance_by_position,
+                step_ms=1e3 * step_s,
+                draft_ms=r.mean_draft_ms,
+                verify_ms=r.mean_verify_ms,
+                tokens_per_s=r.decode_tokens_per_s,
+                speedup=_speedup(acc, r.prompt_set, r.decode_tokens_per_s),
+                match_rate=r.match_rate,
+                steps=steps,
+                chain_length=0 if r.method == "none" else chain_length,
+                accepted=[rec[3] for rec in r.step_records],
+                drafted=[rec[4] for rec in r.step_records],
+            )
+        )
+    return out
+
+
+def _speedup(acc: AcceptanceResult, prompt_set: str, tokens_per_s: float) -> float:
+    base = acc.get(prompt_set, "none")
+    return tokens_per_s / base.decode_tokens_per_s if base and base.decode_tokens_per_s else float("nan")
+
+
+def measure(
+    target: Target, drafter, prompts: dict[int, list[list[int]]], cfg: ContextConfig
+) -> list[ContextPoint]:
+    """Generate every prompt at every length with every method of ``cfg``; one point per (method, length)."""
+    methods = [m for m in default_methods(cfg.chain_length) if m.name in cfg.methods]
+    spec = cfg.prompts
+    sets = {
+        str(n): (PromptSetSpec(str(n), spec.source, len(ps), spec.label, spec.max_new_tokens), ps)
+        for n, ps in prompts.items()
+    }
+    acc = run_acceptance(target, drafter, sets, methods, SamplingConfig())
+    return points_from(acc, prompts, cfg.chain_length)
+
+
+def run(
+    job: ContextJob,
+    target: Target | None = None,
+    command: str = "",
+    drafter=None,
+    prompts: dict[int, list[list[int]]] | None = None,
+) -> ContextResult:
+    """Measure every method at every length (see the module docstring); writes JSON, markdown and the figure.
+    The target is loaded, the drafter loaded from ``context.checkpoint`` and the prompts built unless given."""
+    from eyas.serving.load import with_drafter_aux_layers
+    from eyas.serving.models.target import load_target
+
+    cfg = job.context
+    if drafter is None and cfg.checkpoint is None and any(m.startswith("eagle3") for m in cfg.methods):
+        raise ConfigError(
+            "context.checkpoint is not set: give the drafter directory (context.checkpoint=<dir>), or "
+            "measure without it (context.methods=[prompt-lookup,none])"
+        )
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target = (
+        target if target is not None else load_target(with_drafter_aux_layers(job.target, cfg.checkpoint))
+    )
+    limit = int(target.model.config.get_text_config().max_position_embeddings)
+    room = cfg.prompts.max_new_tokens + 2 * cfg.chain_length + 2
+    too_long = [n for n in cfg.lengths if n + room > limit]
+    if too_long:
+        raise ConfigError(
+            f"context.lengths {too_long} leave no room for {cfg.prompts.max_new_tokens} new tokens in the "
+            f"target's window of {limit}"
+        )
+    t0 = time.perf_counter()
+    if drafter is None and cfg.checkpoint:
+        from eyas.serving.load import load_drafter
+
+        drafter = load_drafter(cfg.checkpoint, target).drafter
+    out = Path(cfg.out_dir) / json_hash(
+        {
+            "context": asdict(cfg),
+            "drafter": str(Path(cfg.checkpoint).resolve()) if cfg.checkpoint else None,
+            "target": target.info.to_dict(),
+        }
+    )
+    if prompts is None:
+        prompts = build_context_prompts(cfg, target.tokenizer)
+    for length, ps in prompts.items():
+        log.info("context %d: prompts of %s tokens", length, [len(p) for p in ps])
+    result = ContextResult(
+        points=measure(target, drafter, prompts, cfg),
+        config={**json.loads(json.dumps(asdict(cfg), default=str)), "command": command},
+        target=target.info.to_dict(),
+        out=out,
+        seconds=time.perf_counter() - t0,
+    )
+    write_report(result)
+    return result
+
+
+# -- report --------------------------------------------------------------------------------------------------------
+def markdown_table(result: ContextResult) -> str:
+    lines = [
+        "| method | context (mean) | τ | acceptance per position | step ms | tokens/s | speedup | greedy match |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for p in sorted(result.points, key=lambda p: (p.method, p.length)):
+        acc = " ".join(f"{a:.2f}" for a in p.acceptance_by_position)
+        lines.append(
+            f"| {p.method} | {p.length} ({p.mean_context:.0f}) | {p.tau:.2f} | {acc} | {p.step_ms:.1f} "
+            f"| {p.tokens_per_s:.1f} | {p.speedup:.2f}× | {p.match_rate:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: ContextResult, path: Path) -> Path:
+    """τ(context), step time(context) and tokens/s(context) side by side, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    methods = list(dict.fromkeys(p.method for p in result.points))
+    for ax, attr, label in zip(
+        axes, ("tau", "step_ms", "tokens_per_s"), ("τ (tokens per step)", "step time (ms)", "tokens/s")
+    ):
+        for m in methods:
+            pts = sorted((p for p in result.points if p.method == m), key=lambda p: p.length)
+            ax.plot([p.mean_context for p in pts], [getattr(p, attr) for p in pts], marker="o", label=m)
+        ax.set_xscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("τ, step time and tokens/s = τ ÷ step time against context length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(result: ContextResult) -> Path:
+    out = result.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULT_FILE).write_text(json.dumps(result.to_dict(), indent=1))
+    fig = plot(result, out / "context.png")
+    cmd = result.config.get("command", "")
+    text = "\n".join(
+        [
+            "# eyas: τ against context length",
+            "",
+            f"`{cmd}`" if cmd else "",
+            "",
+            markdown_table(result),
+            "",
+            "τ = tokens per verify step (bonus included); step time = wall clock per verify step after prefill; "
+            "tokens/s = τ ÷ step time; speedup over `none` at the same length.",
+            "",
+            f"![τ, step time and tokens/s against context]({fig.name})",
+            "",
+        ]
+    )
+    (out / "context.md").write_text(text)
+    return out / "context.md"
+
+
+def load_tau_context(path: str | Path) -> ContextResult:
+    """A ``context.json`` written by :func:`run` (or the directory holding it)."""
+    p = Path(path)
+    p = p / RESULT_FILE if p.is_dir() else p
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no τ(context) results (write them with `eyas context`)")
+    d = json.loads(p.read_text())
+    points = [ContextPoint(**x) for x in d["points"]]
+    return ContextResult(points, d.get("config", {}), d.get("target", {}), p.parent, d.get("seconds", 0.0))
+
+
+# -- command ----------------------------------------------------------------------------------------------------------
+def main() -> None:
+    import hydra
+    from omegaconf import DictConfig
+
+    from eyas.common import exit_on_config_error, load_job
+
+    @hydra.main(config_path="pkg://eyas.conf", config_name="context", version_base="1.3")
+    @exit_on_config_error
+    def _app(cfg: DictConfig) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        res = run(load_job(cfg, ContextJob), command="eyas context " + shlex.join(sys.argv[1:]))
+        print(markdown_table(res))
+        print(f"report: {res.out / 'context.md'}")
+
+    _app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Acceptance measured inside a real serving engine (vLLM, SGLang) on the same prompts as the bundled loop.
+
+``python -m eyas.eval eval.checkpoint=<export> eval.engine=vllm``: eyas starts the engine from its own venv
+(``make vllm``) with the target and the export as its EAGLE-3 drafter at K = ``eval.chain_length``, sends every
+prompt set through the HTTP API one request at a time, and reports τ, acceptance per draft position, tokens/s and
+time to first token per set, beside the bundled loop's numbers. ``eval.server_url=<url>`` measures a server
+someone already runs instead (read-only: it only sends prompts and reads counters).
+
+Design decisions:
+- The server itself (its venv, command line, environment, lifecycle) is :mod:`eyas.serving.engine_process`, shared with
+  extraction through the engine; this module is the client and the measurement. Nothing imports vLLM or SGLang.
+- Prompts go in as token ids (the target's chat template already applied by :func:`eval.prompts.load_prompt_ids`),
+  so the engine and the bundled loop verify the very same sequences; no second chat template in the way.
+- vLLM: τ of a set comes from the spec-decode counters of ``/metrics`` read before and after the set
+  (``1 + Δaccepted / Δdrafts``; acceptance at position i is ``Δaccepted_per_pos[i] / Δdrafts``), read until
+  they stop moving, since the engine publishes stats asynchronously. SGLang: from each response's
+  ``meta_info`` (``completion_tokens / spec_verify_ct``), since its metrics hold only a rolling average.
+- Requests are streamed: time to first token is the first streamed chunk, tokens/s is completion tokens over the
+  whole request (prefill included, as the bundled loop's tokens/s).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from eyas.serving.engine_process import EngineError, http_get, post_stream, served_model_name
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------- /metrics parsing
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[MetricSample]:
+    """The samples of a Prometheus text exposition (comments and malformed lines skipped)."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        labels = {k: v.encode().decode("unicode_escape") for k, v in _LABEL.findall(m.group(3) or "")}
+        out.append(MetricSample(m.group(1), labels, value))
+    return out
+
+
+def _counter(samples: list[MetricSample], name: str) -> list[MetricSample]:
+    """Samples of counter ``name`` (prometheus_client exposes counters as ``<name>_total``)."""
+    return [s for s in samples if s.name in (name, name + "_total")]
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters, summed over engines and models."""
+
+    drafts: float
+    """Verify steps that carried a draft (``vllm:spec_decode_num_drafts``)."""
+    draft_tokens: float
+    """Draft tokens proposed (``vllm:spec_decode_num_draft_tokens``)."""
+    accepted: float
+    """Draft tokens accepted (``vllm:spec_decode_num_accepted_tokens``)."""
+    accepted_per_pos: list[float]
+    """Accepted draft tokens at draft position i (``vllm:spec_decode_num_accepted_tokens_per_pos``)."""
+
+    @classmethod
+    def from_metrics(cls, text: str) -> SpecCounters:
+        """Read the counters from a ``/metrics`` page; raises :class:`EngineError` if the server has none (it
+        does not run speculative decoding, or it is not vLLM)."""
+        samples = parse_prometheus(text)
+        drafts = _counter(samples, "vllm:spec_decode_num_drafts")
+        if not drafts:
+            names = sorted({s.name for s in samples if "spec" in s.name})
+            raise EngineError(
+                "the server's /metrics has no vllm:spec_decode_num_drafts counter: it does not run speculative "
+                f"decoding (spec metrics found: {names or 'none'})"
+            )
+        per_pos: dict[int, float] = {}
+        for s in _counter(samples, "vllm:spec_decode_num_accepted_tokens_per_pos"):
+            pos = int(s.labels.get("position", "0"))
+            per_pos[pos] = per_pos.get(pos, 0.0) + s.value
+        n = max(per_pos) + 1 if per_pos else 0
+        return cls(
+            drafts=sum(s.value for s in drafts),
+            draft_tokens=sum(s.value for s in _counter(samples, "vllm:spec_decode_num_draft_tokens")),
+            accepted=sum(s.value for s in _counter(samples, "vllm:spec_decode_num_accepted_tokens")),
+            accepted_per_pos=[per_pos.get(i, 0.0) for i in range(n)],
+        )
+
+    def __sub__(self, before: SpecCounters) -> SpecCounters:
+        n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
+        pad = [0.0] * n
+
+        def at(xs: list[float], i: int) -> float:
+            return (xs + pad)[i]
+
+        delta = SpecCounters(
+            drafts=self.drafts - before.drafts,
+            draft_tokens=self.draft_tokens - before.draft_tokens,
+            accepted=self.accepted - before.accepted,
+            accepted_per_pos=[
+                at(self.accepted_per_pos, i) - at(before.accepted_per_pos, i) for i in range(n)
+            ],
+        )
+        if min(delta.drafts, delta.accepted, delta.draft_tokens, *delta.accepted_per_pos, 0.0) < 0:
+            raise EngineError("the spec-decode counters went backwards: was the server restarted mid-set?")
+        return delta
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify step: accepted drafts + the bonus token (NaN without drafts)."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else math.nan
+
+    def acceptance_by_position(self) -> list[float]:
+        """Entry i: the fraction of drafts whose first i+1 tokens were accepted."""
+        return [a / self.drafts if self.drafts else math.nan for a in self.accepted_per_pos]
+
+
+# ------------------------------------------------------------------------------------------------- the client
+
+
+@dataclass
+class Completion:
+    """One streamed request."""
+
+    tokens: int
+    """Completion tokens the server reports."""
+    text: str
+    ttft_s: float
+    """Seconds from sending the request to its first streamed token."""
+    total_s: float
+    finish_reason: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    """SGLang's ``meta_info`` of the last chunk (``spec_verify_ct`` ...); empty for vLLM."""
+
+
+class EngineClient:
+    """Requests and counters of one server (vLLM's OpenAI API, or SGLang's native ``/generate``)."""
+
+    def __init__(self, url: str, engine: str, timeout_s: float = 600.0, model: str | None = None):
+        if engine not in ("vllm", "sglang"):
+            raise ValueError(f"engine must be vllm or sglang, got {engine!r}")
+        self.url = url.rstrip("/")
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self._model = model
+
+    @property
+    def model(self) -> str:
+        """The served model's name (the first of ``/v1/models`` unless given)."""
+        if self._model is None:
+            self._model = served_model_name(self.url)
+        return self._model
+
+    def metrics(self) -> str:
+        return http_get(self.url + "/metrics")
+
+    def counters(self) -> SpecCounters:
+        return SpecCounters.from_metrics(self.metrics())
+
+    def settled_counters(
+        self, quiet_s: float = 1.0, timeout_s: float = 30.0, poll_s: float = 0.2
+    ) -> SpecCounters:
+        """Counters once they have not moved for ``quiet_s`` (the engine publishes its stats a little after it
+        answers, so a read right after a response can miss that response's steps)."""
+        last = self.counters()
+        quiet_since = start = time.monotonic()
+        while time.monotonic() - quiet_since < quiet_s:
+            if time.monotonic() - start > timeout_s:
+                raise EngineError(f"the spec-decode counters of {self.url} kept moving for {timeout_s:.0f} s: "
+                                  "is someone else sending requests to this server?")  # fmt: skip
+            time.sleep(poll_s)
+            now = self.counters()
+            if asdict(now) != asdict(last):
+                last, quiet_since = now, time.monotonic()
+        return last
+
+    def complete(
+        self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int | None = None
+    ) -> Completion:
+        """Generate from token ids, streamed; stops at the target's EOS as the bundled loop does."""
+        if self.engine == "sglang":
+            return self._complete_sglang(prompt_ids, max_tokens, temperature, seed)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(map(int, prompt_ids)),
+            "max_tokens": int(max_tokens),
+            "temperature": float(temperature),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if seed is not None and temperature > 0:
+            body["seed"] = int(seed)
+        t0 = time.perf_counter()
+        ttft = None
+        text, tokens, finish = [], None, None
+        for ev in post_stream(self.url + "/v1/completions", body, self.timeout_s):
+            for ch in ev.get("choices") or []:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(ch.get("text") or "")
+                finish = ch.get("finish_reason") or finish
+            if ev.get("usage"):
+                tokens = int(ev["usage"]["completion_tokens"])
+        total = time.perf_counter() - t0
+        if tokens is None:
+            raise EngineError(f"{self.url}/v1/completions streamed no usage (completion_tokens)")
+        return Completion(tokens, "".join(text), ttft if ttft is not None else total, total, finish)
+
+    def _complete_sglang(
+        self, prompt_ids: list[int], max_tokens: int, temperature: float, seed: int | None
+    ) -> Completion:
+        params: dict[str, Any] = {"max_new_tokens": int(max_tokens), "temperature": float(temperature)}
+        if seed is not None and temperature > 0:
+            params["sampling_seed"] = int(seed)
+        body = {"input_ids": list(map(int, prompt_ids)), "sampling_params": params, "stream": True}
+        t0 = time.perf_counter()
+        ttft, last = None, None
+        for ev in post_stream(self.url + "/generate", body, self.timeout_s):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = ev
+        total = time.perf_counter() - t0
+        if last is None or "meta_info" not in last:
+            raise EngineError(f"{self.url}/generate returned no meta_info")
+        meta = last["meta_info"]
+        finish = meta.get("finish_reason")
+        finish = finish.get("type") if isinstance(finish, dict) else finish
+        return Completion(
+            int(meta["completion_tokens"]), last.get("text", ""), ttft or total, total, finish, meta
+        )
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+
+
+@dataclass
+class EngineSetResult:
+    """One prompt set through the engine."""
+
+    prompt_set: str
+    engine: str
+    prompts: int
+    tokens: int
+    """Completion tokens over the set."""
+    tau: float
+    """Tokens per verify step (accepted drafts + the bonus token)."""
+    acceptance_by_position: list[float]
+    tokens_per_s: float
+    """Completion tokens over the summed request wall time (prefill included)."""
+    mean_ttft_ms: float
+    drafts: float
+    """Verify steps with a draft (vLLM's counter, SGLang's ``spec_verify_ct``)."""
+    accepted: float
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_set(
+    client: EngineClient,
+    name: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> EngineSetResult:
+    """Every prompt of a set, one request at a time; τ from the counters' change over the set (vLLM) or from
+    the responses' verify counts (SGLang)."""
+    if not prompts:
+        raise ValueError(f"prompt set {name}: no prompts")
+    before = client.settled_counters() if client.engine == "vllm" else None
+    done = [
+        client.complete(p, max_new_tokens, temperature, seed + i if temperature > 0 else None)
+        for i, p in enumerate(prompts)
+    ]
+    tokens = sum(c.tokens for c in done)
+    seconds = sum(c.total_s for c in done)
+    if before is not None:
+        delta = client.settled_counters() - before
+        tau, by_pos, drafts, accepted = (
+            delta.tau,
+            delta.acceptance_by_position(),
+            delta.drafts,
+            delta.accepted,
+        )
+    else:
+        drafts = float(sum(int(c.meta.get("spec_verify_ct", 0)) for c in done))
+        if not drafts:
+            raise EngineError(
+                "the SGLang server reports no spec_verify_ct: does it run speculative decoding?"
+            )
+        tau = tokens / drafts
+        accepted = tokens - drafts
+        by_pos = []
+    return EngineSetResult(
+        prompt_set=name,
+        engine=client.engine,
+        prompts=len(done),
+        tokens=tokens,
+        tau=tau,
+        acceptance_by_position=by_pos,
+        tokens_per_s=tokens / seconds if seconds else 0.0,
+        mean_ttft_ms=1e3 * sum(c.ttft_s for c in done) / len(done),
+        drafts=drafts,
+        accepted=accepted,
+        seconds=seconds,
+    )
+
+
+def measure(
+    client: EngineClient,
+    prompt_sets: dict[str, tuple[Any, list[list[int]]]],
+    temperature: float = 0.0,
+    seed: int = 0,
+    warmup: bool = True,
+) -> list[EngineSetResult]:
+    """Every prompt set (name -> (spec with ``max_new_tokens``, token-id prompts)) through the engine."""
+    first = next((p for _, ps in prompt_sets.values() for p in ps), None)
+    if first is None:
+        raise ValueError("no evaluation prompts for the engine")
+    if warmup:  # the first request pays one-time costs (graph capture, kernel compilation)
+        client.complete(first, 8, temperature, seed)
+    out = []
+    for name, (spec, prompts) in prompt_sets.items():
+        r = measure_set(client, name, prompts, spec.max_new_tokens, temperature, seed)
+        log.info(
+            "engine %s / %s: tau %.2f, %.1f tok/s, ttft %.0f ms", client.engine, name, r.tau, r.tokens_per_s,
+            r.mean_ttft_ms,
+        )  # fmt: skip
+        out.append(r)
+    return out

@@ -1,0 +1,518 @@
+"""The EAGLE-3 drafter: one module for inference (KV cache, chains and trees) and training (TTT unroll).
+
+Design decisions:
+- Parameter names are SGLang's ``LlamaForCausalLMEagle3`` names (``fc``, ``midlayer.*``, ``norm``,
+  ``lm_head``, ``d2t``, ``t2d``), so export is a filter over ``state_dict()`` and nothing is renamed.
+- A *row* is one drafter input: ``(hidden, token)``. Context row ``r`` carries ``fc(aux_r)`` (the target's fused
+  features after reading ``x_0..x_r``) and the embedding of ``x_{r+1}``, sits at position ``r``, and predicts
+  ``x_{r+2}``. Draft step ``j`` after a context ending at ``n`` is a row at position ``n + j`` whose hidden is the
+  previous row's output (pre-norm) and whose token is the previous draft. This is what SGLang runs.
+- Training-time test reproduces exactly that at every position of a sequence at once: at unroll step ``j`` the
+  row of chain ``t`` attends to the step-0 rows ``<= t`` (causal, same segment) plus its own rows of steps
+  ``1..j`` (the "diagonal"), with rope position ``t + j``. ``tests`` check that it equals the cached path.
+- Block: ``r = h + attn(cat(input_layernorm(e), hidden_norm(h)))``; ``out = r + mlp(post_attention_layernorm(r))``;
+  ``logits = lm_head(norm(out))``; ``out`` (pre-norm) feeds the next step.
+- Draft vocabulary maps: ``target_id = draft_id + d2t[draft_id]``; ``t2d[target_id]`` is True for draft tokens.
+- The embedding is the target's, frozen, and not part of what training updates or export writes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.serving.models.kv_cache import SlotCache
+from eyas.serving.models.target import aux_layer_problem
+from eyas.serving.models.ttt_attention import segment_starts, ttt_attention
+
+WEIGHTS_FILE = "drafter.safetensors"
+"""Trainable weights of a drafter checkpoint (everything but the frozen target embedding)."""
+CONFIG_FILE = "drafter_config.json"
+"""Its :class:`DrafterConfig`."""
+
+
+@dataclass
+class DrafterConfig:
+    """Sizes and conventions of an EAGLE-3 drafter; built from the target's config by :meth:`from_target`."""
+
+    hidden_size: int
+    """Model width; equals the target's hidden size (the drafter reads the target's embeddings)."""
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    """The target's vocabulary size."""
+    draft_vocab_size: int
+    """Size of the reduced output vocabulary (the N most frequent loss-masked target tokens)."""
+    aux_layer_ids: list[int]
+    """Target layers whose outputs are fused (SGLang convention: output of decoder layer i); strictly increasing,
+    at most L-2 for an L-layer target (``serving.target.AUX_RULE``)."""
+    max_position_embeddings: int
+    """The target's; never smaller than the contexts the drafter will serve."""
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
+    """transformers-style rope settings copied from the target (``rope_type``, ``rope_theta``, YaRN factors...)."""
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    embed_scale: float = 1.0
+    """Multiplier the target applies to its input embeddings (sqrt(H) for Gemma, 1 elsewhere)."""
+    target_hidden_size: int | None = None
+    """Width of each aux state (defaults to ``hidden_size``)."""
+
+    def __post_init__(self) -> None:
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size={self.draft_vocab_size} is larger than the target vocabulary ({self.vocab_size})"
+            )
+        if self.draft_vocab_size < 1:
+            raise ValueError("draft_vocab_size must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+        problem = aux_layer_problem(self.aux_layer_ids)
+        if problem:
+            raise ValueError(f"drafter aux_layer_ids: {problem}")
+        if "rope_type" not in self.rope_parameters:
+            self.rope_parameters = {"rope_type": "default", **self.rope_parameters}
+
+    @property
+    def fc_in_features(self) -> int:
+        return len(self.aux_layer_ids) * int(self.target_hidden_size)
+
+    @classmethod
+    def from_target(cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, **overrides: Any):
+        """Take sizes, rope and positions from a transformers config of the target (any architecture)."""
+        c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = int(c.num_attention_heads)
+        is_mla = getattr(c, "kv_lora_rank", None) is not None
+        kv = heads if is_mla else int(getattr(c, "num_key_value_heads", None) or heads)
+        head_dim = getattr(c, "head_dim", None)
+        if is_mla:
+            head_dim = getattr(c, "v_head_dim", None)
+        head_dim = int(head_dim or c.hidden_size // heads)
+        rope = _rope_parameters(c)
+        embed_scale = (
+            math.sqrt(c.hidden_size) if str(getattr(c, "model_type", "")).startswith("gemma") else 1.0
+        )
+        values: dict[str, Any] = dict(
+            hidden_size=int(c.hidden_size),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            intermediate_size=int(getattr(c, "intermediate_size", None) or 4 * c.hidden_size),
+            vocab_size=int(c.vocab_size),
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layer_ids=[int(i) for i in aux_layer_ids],
+            max_position_embeddings=int(c.max_position_embeddings),
+            rope_parameters=rope,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            embed_scale=embed_scale,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rope_parameters(c) -> dict[str, Any]:
+    rope = getattr(c, "rope_parameters", None)
+    if isinstance(rope, dict) and rope:
+        # some models nest per-layer-type parameters (Gemma 3): take the full-attention ones
+        if "full_attention" in rope and isinstance(rope["full_attention"], dict):
+            rope = rope["full_attention"]
+        rope = dict(rope)
+    else:
+        rope = dict(getattr(c, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", float(getattr(c, "rope_theta", 10000.0)))
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    return rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables from the target's rope settings, via transformers' own rope initialisers."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = cfg.rope_parameters.get("rope_type", "default")
+        if rope_type.startswith("dynamic"):
+            raise ValueError(
+                "dynamic rope scaling depends on the running length; eyas drafters need a static rope"
+            )
+        lc = LlamaConfig(
+            hidden_size=cfg.hidden_size,
+            num_attention_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_parameters=dict(cfg.rope_parameters),
+        )
+        if rope_type == "default":  # transformers v5 keeps it per model class, not in ROPE_INIT_FUNCTIONS
+            # partial rope (GLM, NeoX, ...): only the first head_dim * factor dims of each head rotate
+            dim = int(cfg.head_dim * float(cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+            base = float(cfg.rope_parameters.get("rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](lc, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, d]; cos/sin: [B, T, r] with r <= d: the first r dims rotate, the rest pass (partial rope)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos[:, None] + _rotate_half(rot) * sin[:, None], rest], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, kv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.scale = d**-0.5
+
+    def qkv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # [B, h, T, d]
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, kv, T, d]
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, h, q, d] over k/v [B, kv, s, d]; mask [B, 1, q, s] bool (True = may attend)."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.heads != self.kv_heads
+        )
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"only silu drafters are supported, not {cfg.hidden_act}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        r = hidden + attn_out
+        return r + self.mlp(self.post_attention_layernorm(r))
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The drafter block on rows ``(embeds, hidden)`` ([B, T, H] each): returns the pre-norm output [B, T, H].
+
+        ``attend(q, k, v)`` ([B, h, T, d], [B, kv, T, d] x2, rope applied) returns the attention output
+        [B, h, T, d]: over the KV cache at inference, over the step-0 and diagonal keys in the TTT unroll."""
+        q, k, v = self.self_attn.qkv(self.attn_input(embeds, hidden), cos, sin)
+        return self.finish(hidden, self.self_attn.out(attend(q, k, v)))
+
+
+@dataclass
+class DrafterOutput:
+    """Result of a cached drafter forward."""
+
+    hidden: torch.Tensor  # [B, q, H] pre-norm output; the next draft step's hidden input
+    logits: torch.Tensor  # [B, q, draft_vocab] (fp32)
+
+
+@dataclass
+class TTTOutput:
+    """Result of a training-time-test unroll over whole sequences.
+
+    ``hidden[j]`` is the pre-norm output of unroll step ``j`` ([B, T, H]); row ``t`` of step ``j`` predicts
+    ``x_{t+j+2}``. ``valid[j]`` ([B, T] bool) marks rows whose inputs lie inside their own sample. ``fused``
+    ([B, T, H]) is step 0's hidden input, ``fc`` of the target's aux states: what a context row at that position
+    carries, and so what step ``j``'s output at row ``t`` stands in for at position ``t + j + 1``.
+    """
+
+    hidden: list[torch.Tensor]
+    valid: list[torch.Tensor]
+    fused: torch.Tensor | None = None
+
+
+class Eagle3Drafter(nn.Module):
+    """See the module docstring."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True  # identity map until set_vocab_map
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+
+    # -- setup ------------------------------------------------------------------------------------------------
+    def set_embedding(self, weight: torch.Tensor) -> None:
+        """Copy in the target's input embedding table (frozen)."""
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(
+                f"target embedding {tuple(weight.shape)} does not fit this drafter "
+                f"({tuple(self.embed_tokens.weight.shape)})"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
+        """Install the draft vocabulary: ``draft_to_target[i]`` is the target id of draft token ``i``."""
+        ids = draft_to_target.long().cpu()
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(
+                f"{ids.numel()} draft tokens for draft_vocab_size={self.config.draft_vocab_size}"
+            )
+        if (
+            ids.unique().numel() != ids.numel()
+            or int(ids.min()) < 0
+            or int(ids.max()) >= self.config.vocab_size
+        ):
+            raise ValueError("draft vocabulary must be distinct target ids inside the target vocabulary")
+        t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the frozen target embedding (what checkpoints and exports hold)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    # -- pieces -----------------------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed_tokens(input_ids)
+        return e * self.config.embed_scale if self.config.embed_scale != 1.0 else e
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """``fc`` over the target's concatenated aux states: [..., n_aux * H] -> [..., H]."""
+        if aux.shape[-1] != self.config.fc_in_features:
+            raise ValueError(
+                f"aux states of width {aux.shape[-1]}; this drafter fuses {len(self.config.aux_layer_ids)} "
+                f"aux layers of width {self.config.target_hidden_size} ({self.config.fc_in_features})"
+            )
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (fp32) from pre-norm outputs."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    # -- inference --------------------------------------------------------------------------------------------
+    def new_cache(self, max_len: int) -> SlotCache:
+        return SlotCache(1, max_len)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: SlotCache,
+        attention_mask: torch.Tensor,
+        *,
+        hidden_is_aux: bool,
+        logits: str = "all",
+    ) -> DrafterOutput:
+        """Rows ``(hidden, input_ids)`` at ``position_ids`` ([B, q]); keys/values written at the slots declared by
+        ``cache.prepare``; ``attention_mask`` [B, 1, q, kv_len] bool (True = may attend).
+        ``hidden_is_aux``: True for context rows, whose ``hidden`` is the target's aux states [B, q, n_aux * H]
+        (fused by ``fc``); False for draft rows, whose ``hidden`` is this drafter's own output [B, q, H]. Said by
+        the caller, not guessed from the width: with one aux layer both are H wide.
+        ``logits``: ``all`` rows, or only the ``last`` one ([B, 1, draft_vocab]; context rows need no others)."""
+        if hidden_is_aux:
+            h = self.fuse(hidden)
+        elif hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"draft rows take the drafter's own output (width {self.config.hidden_size}), got width "
+                f"{hidden.shape[-1]}; pass hidden_is_aux=True for the target's aux states"
+            )
+        else:
+            h = hidden
+        e = self.embed(input_ids).to(h.dtype)
+        cos, sin = self.rotary(position_ids, h.dtype)
+        attn = self.midlayer.self_attn
+
+        def attend(q, k, v):
+            k_all, v_all = cache.update(k, v, 0)  # [B, kv, kv_len, d]
+            return attn.sdpa(q, k_all, v_all, attention_mask)
+
+        out = self.midlayer(e, h, cos, sin, attend)
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', not {logits!r}")
+        return DrafterOutput(hidden=out, logits=self.logits(out if logits == "all" else out[:, -1:]))
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def forward_ttt(
+        self,
+        input_ids: torch.Tensor,
+        aux: torch.Tensor,
+        steps: int,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+    ) -> TTTOutput:
+        """Unroll ``steps`` draft steps at every position (see module docstring).
+
+        input_ids: [B, T] the sequence x; aux: [B, T, n_aux*H] target features at each position;
+        position_ids: [B, T] (default 0..T-1; restart per packed sample); segment_ids: [B, T] int, 0 = padding
+        (default: one sample per row, no padding). Attention runs block by block (``serving.ttt_attention``):
+        memory linear in T, no ``[T, T]`` mask.
+        """
+        b, t = input_ids.shape
+        dev = input_ids.device
+        if position_ids is None:
+            position_ids = torch.arange(t, device=dev).expand(b, t)
+        if segment_ids is None:
+            segment_ids = torch.ones(b, t, dtype=torch.long, device=dev)
+        attn = self.midlayer.self_attn
+        rows = torch.arange(t, device=dev)
+        starts = segment_starts(segment_ids)
+        h = fused = self.fuse(aux)
+        main: list[torch.Tensor] = []  # step 0's keys and values: the causal prefix every step reads
+        keys: list[torch.Tensor] = []  # steps 1..j: each row sees only its own (the diagonal)
+        values: list[torch.Tensor] = []
+
+        def attend(q, k, v):
+            if main:
+                keys.append(k)
+                values.append(v)
+            else:
+                main.extend((k, v))
+            return ttt_attention(q, main[0], main[1], keys, values, segment_ids, attn.scale, starts=starts)
+
+        hidden_out: list[torch.Tensor] = []
+        valid_out: list[torch.Tensor] = []
+        for j in range(steps):
+            src = (rows + j + 1).clamp(max=t - 1)
+            tok = input_ids[:, src]  # x_{t+j+1}
+            valid = (rows + j + 1 < t)[None, :] & (segment_ids[:, src] == segment_ids) & (segment_ids > 0)
+            e = self.embed(tok).to(h.dtype)
+            cos, sin = self.rotary(position_ids + j, h.dtype)
+            h = self.midlayer(e, h, cos, sin, attend)
+            hidden_out.append(h)
+            valid_out.append(valid)
+        return TTTOutput(hidden=hidden_out, valid=valid_out, fused=fused)
+
+
+# -- trained checkpoints (the trainer's format; serving/export.py writes the SGLang/vLLM one) -----------------------
+def save_drafter_weights(directory, weights: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Write ``weights`` (trainable tensors) and ``config`` (a ``DrafterConfig.to_dict()``) into ``directory``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / WEIGHTS_FILE))
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1, sort_keys=True))
+
+
+def is_drafter_checkpoint(directory) -> bool:
+    from pathlib import Path
+
+    return (Path(directory) / WEIGHTS_FILE).exists() and (Path(directory) / CONFIG_FILE).exists()
+
+
+def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A drafter from a trainer checkpoint directory (fp32, CPU); ``embedding``: the target's input embedding
+    table (the checkpoint does not hold it)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not is_drafter_checkpoint(directory):
+        raise FileNotFoundError(
+            f"{directory} is not a drafter checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE})"
+        )
+    try:
+        config = DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{directory / CONFIG_FILE}: {e}") from e
+    drafter = Eagle3Drafter(config)
+    missing, unexpected = drafter.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=False)
+    missing = [k for k in missing if not k.startswith("embed_tokens.")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}: weights do not fit the drafter (missing {missing}, unexpected {unexpected})"
+        )
+    if embedding is not None:
+        drafter.set_embedding(embedding.detach().float().cpu())
+    return drafter.eval()

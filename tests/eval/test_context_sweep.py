@@ -1,0 +1,203 @@
+"""Long context: rows up to the target's window and the mixture of row lengths (data.loader), long real prefixes
+(data.long_context), and τ against context length (eval.context)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eyas.data.loader import FeatureLoader, LoaderConfig, plan_epoch, resolve_max_tokens
+from eyas.eval.throughput import TIE_RTOL
+from tests.conftest import make_tiny_target
+from tests.data.test_store import random_samples
+
+
+def _tokens(plan, lengths, limit):
+    return [sum(min(int(lengths[i]), limit) for row in batch for i in row) for batch in plan]
+
+
+def test_length_mix_sends_each_sample_to_the_shortest_row_that_holds_it_and_keeps_the_shares():
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(20, 64, 300), rng.integers(65, 256, 60), [900, 1000]])
+    cand = np.arange(len(lengths))
+    mix = {64: 3, 256: 1}
+    cfg = LoaderConfig(batch_rows=4, length_mix=mix, seed=3)
+    assert cfg.length_mix == {64: 0.75, 256: 0.25} and cfg.row_limit == 256
+    plan = plan_epoch(lengths, cand, cfg, epoch=0)
+    assert plan == plan_epoch(
+        lengths, cand, cfg, epoch=0
+    )  # a pure function of (seed, epoch, samples, config)
+    assert plan != plan_epoch(lengths, cand, cfg, epoch=1)
+    per_cap = {64: 0, 256: 0}
+    done = []
+    for batch in plan:
+        lens = [min(int(lengths[i]), 256) for row in batch for i in row]
+        cap = 64 if max(lens) <= 64 else 256
+        assert all((n <= 64) == (cap == 64) for n in lens), "a batch mixes row lengths"
+        assert all(sum(min(int(lengths[i]), 256) for i in row) <= cap for row in batch)
+        per_cap[cap] += sum(lens)
+        done.append(dict(per_cap))
+    total = sum(per_cap.values())
+    assert total >= int(np.minimum(lengths, 256).sum())  # the epoch's tokens, split by the weights
+    assert per_cap[256] / total == pytest.approx(0.25, abs=0.02)
+    # every prefix of the epoch keeps the shares to within one batch (the largest-deficit interleave)
+    biggest = max(_tokens(plan, lengths, 256))
+    for seen in done:
+        assert abs(seen[256] - 0.25 * (seen[64] + seen[256])) <= biggest
+
+
+def test_length_mix_refuses_an_empty_length_and_bad_weights():
+    lengths = np.array([10, 20, 30])
+    with pytest.raises(ValueError, match="no sample is 512 tokens or shorter and longer than 64"):
+        plan_epoch(lengths, np.arange(3), LoaderConfig(length_mix={64: 1, 512: 1}), 0)
+    with pytest.raises(ValueError, match="positive"):
+        LoaderConfig(length_mix={64: -1})
+    with pytest.raises(ValueError, match="map row lengths"):
+        LoaderConfig(length_mix={"long": 1})
+
+
+def test_window_rows():
+    assert resolve_max_tokens({"max_tokens": "window", "batch_rows": 2}, 8192) == {
+        "max_tokens": 8192,
+        "batch_rows": 2,
+    }
+    with pytest.raises(ValueError, match="exceed the target's context window"):
+        resolve_max_tokens({"max_tokens": 16384}, 8192)
+    with pytest.raises(ValueError, match="exceed the target's context window"):
+        resolve_max_tokens({"length_mix": {512: 1, 16384: 1}}, 8192)
+
+
+def test_length_mix_batches_from_a_store(tmp_path):
+    from eyas.data.extract import ExtractConfig, extract
+    from eyas.data.store import FeatureStore
+
+    target = make_tiny_target(seed=5)
+    samples = random_samples(30, seed=7, max_len=40)
+    extract(samples, target, tmp_path, ExtractConfig(shard_size=16, max_batch_tokens=128, progress=False))
+    store = FeatureStore(tmp_path, expect_target=target.info)
+    cfg = LoaderConfig(batch_rows=2, length_mix={16: 1, 48: 1}, pad_to_multiple=8, min_loss_tokens=0)
+    by_id = {s.id: s for s in samples}
+    shapes = set()
+    for batch in FeatureLoader(store, cfg):
+        t = batch.input_ids.shape[1]
+        longest = max(by_id[i].num_tokens for row in batch.sample_ids for i in row)
+        shapes.add(16 if longest <= 16 else 48)
+        assert t <= (16 if longest <= 16 else 48)  # short batches are not padded to the long rows
+        for r, ids in enumerate(batch.sample_ids):
+            assert int(batch.segment_ids[r].max()) == len(ids)
+    assert shapes == {16, 48}
+
+
+# -- long real prefixes ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    from transformers import AutoTokenizer
+
+    from eyas.serving.models.embedded import ensure_embedded
+
+    return AutoTokenizer.from_pretrained(str(ensure_embedded()))
+
+
+def test_prefixes_are_held_out_chat_turns_that_reach_the_length(smollm_tokenizer):
+    from eyas.data.chat import format_prompt
+    from eyas.data.long_prefixes import long_conversations, pad_to_context, turn_pairs
+
+    tok = smollm_tokenizer
+    held_out = turn_pairs("sharegpt", limit=12, split="eval")
+    train = turn_pairs("sharegpt", limit=12, split="train")
+    assert not {p[0]["content"] for p in held_out} & {p[0]["content"] for p in train}
+    msgs = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three prime numbers."},
+    ]
+    bare = format_prompt(msgs, tok)
+    tail = tok.decode(bare)[-60:]  # the user turn and the assistant header
+    for length in (256, 2048):
+        ids = pad_to_context(msgs, held_out, tok, length, offset=3)
+        assert length - 40 <= len(ids) <= length
+        text = tok.decode(ids)
+        assert text.endswith(tail)
+        assert text.index("You are a terse assistant.") < text.index(held_out[3][0]["content"][:40])
+    assert pad_to_context(msgs, held_out, tok, 10) == bare  # a prompt longer than the length is never cut
+    convs = long_conversations(train, tok, 1500, n=2)
+    assert convs[0].messages[-2:] != convs[1].messages[-2:]
+    from eyas.data.chat import format_conversation
+
+    for c in convs:
+        assert len(c.messages) >= 2 and len(c.messages) % 2 == 0
+        n = format_conversation(c, tok, 1 << 20).num_tokens
+        assert n <= 1500 or len(c.messages) == 2
+
+
+# -- tau against context ---------------------------------------------------------------------------------------------
+def test_tau_against_context_and_its_use_by_diagnose(tmp_path):
+    import json
+
+    import torch
+
+    from eyas.eval.acceptance import PromptSetSpec
+    from eyas.eval.context_sweep import ContextConfig, ContextJob, load_tau_context, run
+    from eyas.eval.diagnose.config import DiagnoseConfig
+    from eyas.eval.diagnose.context_prompts import prompts_from_ids
+    from eyas.eval.diagnose.report import write_report
+    from eyas.eval.diagnose.run import diagnose
+    from eyas.serving.load import random_drafter
+
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, 64, seed=3)
+    spec = PromptSetSpec("periodic", "ids", 1, "predictable", max_new_tokens=10)
+    filler = torch.randint(20, 200, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+    period = [11, 12, 13, 14, 15, 16] * 3
+    by_length = prompts_from_ids(spec, [period], filler, [24, 96]).by_context
+    cfg = ContextConfig(
+        lengths=[24, 96],
+        prompts=spec,
+        methods=["eagle3-chain", "prompt-lookup", "none"],
+        chain_length=3,
+        out_dir=str(tmp_path / "ctx"),
+    )
+    res = run(ContextJob(context=cfg), target=target, drafter=drafter, prompts=by_length)
+    assert {(p.method, p.length) for p in res.points} == {
+        (m, n) for m in ("eagle3-chain", "prompt-lookup", "none") for n in (24, 96)
+    }
+    for p in res.points:
+        assert p.match_rate == 1.0  # greedy: every method emits plain decoding's tokens
+        assert p.tokens_per_s == pytest.approx(1e3 * p.tau / p.step_ms)
+        assert p.mean_context >= p.length and p.steps == len(p.accepted) == len(p.drafted)
+        assert p.tau == pytest.approx(1 + sum(p.accepted) / len(p.accepted), abs=0.15)
+        if p.method == "none":
+            assert p.tau == 1.0 and p.speedup == 1.0
+        elif p.method == "eagle3-chain":
+            assert len(p.acceptance_by_position) == 3 and max(p.drafted) == 3
+        else:  # prompt lookup drafts only where the context repeats
+            assert max(p.drafted) <= 3
+    for name in ("context.json", "context.md", "context.png"):
+        assert (res.out / name).stat().st_size > 200
+    assert load_tau_context(res.out).points == res.points
+
+    # diagnose prices each measured length with its own step costs and the tau measured there
+    dcfg = DiagnoseConfig(
+        methods=["eagle3-chain", "prompt-lookup"],
+        chain_length=3,
+        contexts=[24],
+        prompt_sets=[spec],
+        rounds=1,
+        profile_repeats=1,
+        tau_context=str(res.out / "context.json"),
+        out_dir=str(tmp_path / "diag"),
+    )
+    prompts = {"periodic": prompts_from_ids(spec, [period], filler, [24])}
+    result = diagnose(target, dcfg, drafter=drafter, prompts=prompts)
+    proj = {(p.method, p.length): p for p in result.context_projections}
+    assert set(proj) == {(m, n) for m in ("eagle3-chain", "prompt-lookup") for n in (24, 96)}
+    for (method, length), p in proj.items():
+        point = res.get(method, length)
+        assert p.measured.tau == pytest.approx(1 + sum(point.accepted) / len(point.accepted))
+        assert p.constant_from == 24 and p.constant is not None
+        assert p.beyond_profile == (length == 96)
+        # sweep_chain gives a tie within TIE_RTOL to the shorter chain: equal rates may differ in the last bit
+        assert p.best.tokens_per_s >= p.measured.tokens_per_s * (1 - TIE_RTOL)
+    path = write_report(result, tmp_path / "diag")
+    assert "from measured τ(context)" in path.read_text()
+    data = json.loads((tmp_path / "diag" / "results.json").read_text())
+    assert len(data["context_projections"]) == 4
