@@ -380,9 +380,9 @@ def load_tokenizer(tcfg):
     from transformers import AutoTokenizer
 
     from eyas.serving.models.embedded import convert_gguf
-    from eyas.serving.models.target import _resolve_source
+    from eyas.serving.models.target import resolve_source
 
-    path, gguf_file, _ = _resolve_source(tcfg)
+    path, gguf_file, _ = resolve_source(tcfg)
     if gguf_file is not None:
         path = str(convert_gguf(Path(path), gguf_file))
     kwargs: dict[str, Any] = {"trust_remote_code": tcfg.trust_remote_code}

@@ -60,7 +60,7 @@ from eyas.common import (
     exit_on_config_error,
 )
 from eyas.serving.load import SGLANG_ARCH, DrafterLoadError, export_format
-from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, _rope_parameters
+from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, rope_parameters_of
 from eyas.serving.models.target import TargetConfig, aux_layer_problem
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class TargetSpec:
             hidden_size=int(c.hidden_size),
             vocab_size=int(c.vocab_size),
             max_position_embeddings=int(c.max_position_embeddings),
-            rope_parameters=_rope_parameters(c),
+            rope_parameters=rope_parameters_of(c),
             architectures=tuple(getattr(config, "architectures", None) or ()),
             model_type=str(getattr(c, "model_type", "unknown")),
             tokenizer_hash=tokenizer_hash,

@@ -273,7 +273,8 @@ def iter_parquet(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]
             yield n, row
 
 
-def _expand_paths(path: str) -> list[Path]:
+def expand_paths(path: str) -> list[Path]:
+    """The corpus files ``path`` names: itself, the data files of a directory, or a glob's matches."""
     p = Path(os.path.expanduser(path))
     suffixes = (".jsonl", ".jsonl.gz", ".json", ".parquet")
     if p.is_dir():

@@ -20,7 +20,7 @@ from eyas.data.corpora.config import (
 from eyas.data.corpora.readers import (
     JsonArrayStream,
     SourceStats,
-    _expand_paths,
+    expand_paths,
     iter_jsonl,
     iter_records_file,
 )
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # themselves; the others return every record and the mixture splits them by hash.
 # ---------------------------------------------------------------------------------------------------------------
 def _read_file_source(src: SourceConfig, split: str, stats: SourceStats) -> Iterator[Conversation]:
-    for path in _expand_paths(src.path or ""):
+    for path in expand_paths(src.path or ""):
         for loc, rec in iter_records_file(path, stats=stats):
             stats.read += 1
             try:

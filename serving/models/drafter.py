@@ -101,7 +101,7 @@ class DrafterConfig:
         if is_mla:
             head_dim = getattr(c, "v_head_dim", None)
         head_dim = int(head_dim or c.hidden_size // heads)
-        rope = _rope_parameters(c)
+        rope = rope_parameters_of(c)
         embed_scale = (
             math.sqrt(c.hidden_size) if str(getattr(c, "model_type", "")).startswith("gemma") else 1.0
         )
@@ -126,7 +126,8 @@ class DrafterConfig:
         return asdict(self)
 
 
-def _rope_parameters(c) -> dict[str, Any]:
+def rope_parameters_of(c) -> dict[str, Any]:
+    """The rope parameters of a model config ``c`` (transformers v5 ``rope_parameters`` or the classic keys)."""
     rope = getattr(c, "rope_parameters", None)
     if isinstance(rope, dict) and rope:
         # some models nest per-layer-type parameters (Gemma 3): take the full-attention ones

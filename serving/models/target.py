@@ -486,7 +486,7 @@ def load_target(cfg: TargetConfig | None = None) -> Target:
 def model_source(cfg: TargetConfig) -> tuple[str, str]:
     """(what ``from_pretrained`` and the serving engines load: a directory or a hub id, display name); a GGUF is
     converted to a plain transformers directory first (cached)."""
-    path, gguf_file, name = _resolve_source(cfg)
+    path, gguf_file, name = resolve_source(cfg)
     if gguf_file is not None:
         from eyas.serving.models.embedded import convert_gguf
 
@@ -494,7 +494,7 @@ def model_source(cfg: TargetConfig) -> tuple[str, str]:
     return path, name
 
 
-def _resolve_source(cfg: TargetConfig) -> tuple[str, str | None, str]:
+def resolve_source(cfg: TargetConfig) -> tuple[str, str | None, str]:
     """(path for from_pretrained, gguf file name or None, display name)."""
     if cfg.path == EMBEDDED:
         from eyas.serving.models.embedded import ensure_embedded
