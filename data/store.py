@@ -28,7 +28,7 @@ Design decisions:
   shard named instead of being trained on, and a job that reads part of a store hashes only that part. Hashing
   reads each shard once more, once per process: on a demo-sized store (68k tokens, 300 MiB at SmolLM2's 4613
   bytes/token, warm page cache, 2-core CPU) 0.24 s in all (~1.25 GiB/s), against 0.11 s to read every
-  sample without it; one training epoch over it takes ~140 s at BENCH.md's 487 tokens/s.
+  sample without it, far less than a training epoch over it takes.
   ``verify="full"`` (:func:`verify_store`) checks every shard up front.
 - No tail mass is stored with the top-k: it is ``1 - sum(exp(topk_logprobs))``, a function of what is stored,
   and the top-k teacher cannot use it (the share of the tail inside the draft vocabulary is unknown, so it cannot

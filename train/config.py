@@ -35,8 +35,8 @@ class DraftModelConfig:
     """The drafter to train (conf/drafter/*.yaml); the sizes not listed here are the target's."""
 
     draft_vocab_size: int = 8192
-    """N: the drafter predicts the N most frequent loss-masked target tokens of the training data. 8192 measured
-    as good as 32k in τ at a quarter of the head's cost (BENCH.md, "Recipe"); the coverage it reaches is logged
+    """N: the drafter predicts the N most frequent loss-masked target tokens of the training data (8192 against
+    32k: BENCH.md, "Recipe"); the coverage it reaches is logged
     and kept in ``draft_vocab.json`` (raise N where it is low, e.g. a large multilingual target)."""
     intermediate_size: int | None = None
     """MLP width of the drafter layer; None takes the target's."""

@@ -42,9 +42,8 @@ log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
 # The embedded target's aux layers: SGLang's [1, L//2-1, L-4] with the top one at L-2 (28 of 30), the highest a
-# serving engine captures. On the bench's data it gave +7% held-out τ at one epoch, +9% at a third (BENCH.md,
-# "Which target layers the drafter reads"); other targets keep SGLang's default until measured (target.aux_layers
-# sets any).
+# serving engine captures; measured better than SGLang's on the bench's data (BENCH.md, "Which target layers the
+# drafter reads"); other targets keep SGLang's default until measured (target.aux_layers sets any).
 EMBEDDED_AUX_LAYERS = (1, 14, 28)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", EXACT)
 AUX_RULE = (
