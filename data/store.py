@@ -310,6 +310,16 @@ def bytes_per_token(
     ).bytes_per_token()
 
 
+NAMED_OPTIONS: dict[str, StoreOptions] = {
+    "bf16+hidden": StoreOptions(),
+    "bf16+top32": StoreOptions(distribution="topk", topk=32),
+    "fp8+hidden": StoreOptions(aux_dtype="float8_e4m3"),
+    "fp8+top32": StoreOptions(aux_dtype="float8_e4m3", distribution="topk", topk=32),
+    "int4+top32": StoreOptions(aux_dtype="int4", int4_group_size=64, distribution="topk", topk=32),
+}
+"""The storage layouts compared by name (the pipeline's bytes-per-token line, the extraction benchmark's rows)."""
+
+
 # -- shard files (safetensors) ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WrittenFile:
