@@ -73,9 +73,9 @@ from eyas.data.extract_ranks import (
 from eyas.data.store import (
     MANIFEST,
     BytesPerToken,
+    FeatureBlock,
     FeatureCodec,
     Manifest,
-    SampleRows,
     ShardEntry,
     StoreConfigError,
     StoreError,
@@ -84,7 +84,6 @@ from eyas.data.store import (
     check_shard_file,
     check_target,
     fsync_dir,
-    rows_of,
     shard_metadata,
     shard_name,
     write_safetensors,
@@ -177,23 +176,6 @@ class ExtractResult:
 
 
 # -- features of a list of samples (shared with the online mode) -------------------------------------------------
-@dataclass
-class FeatureBlock:
-    """Encoded features of consecutive samples, concatenated along the token axis (a shard's tensors)."""
-
-    tensors: dict[str, torch.Tensor]
-    """input_ids [N] int32, loss_mask [N] uint8, offsets [S+1] int64 and the codec's feature tensors [N, ...]."""
-    sample_ids: list[str]
-    feature_names: list[str]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tensors["input_ids"].shape[0])
-
-    def rows(self, i: int) -> SampleRows:
-        return rows_of(self.tensors, self.tensors["offsets"], i, self.sample_ids[i], self.feature_names)
-
-
 def plan_microbatches(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
     """Indices grouped longest-first so that ``rows * longest <= max_tokens`` (empty samples are left out)."""
     order = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: (-int(lengths[i]), i))

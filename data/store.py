@@ -606,6 +606,24 @@ def rows_of(
     )
 
 
+@dataclass
+class FeatureBlock:
+    """Encoded features of consecutive samples, concatenated along the token axis: a shard's tensors before they are
+    written (extraction computes them, :func:`write_safetensors` writes them) or features computed in memory."""
+
+    tensors: dict[str, torch.Tensor]
+    """input_ids [N] int32, loss_mask [N] uint8, offsets [S+1] int64 and the codec's feature tensors [N, ...]."""
+    sample_ids: list[str]
+    feature_names: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    def rows(self, i: int) -> SampleRows:
+        return rows_of(self.tensors, self.tensors["offsets"], i, self.sample_ids[i], self.feature_names)
+
+
 @dataclass(frozen=True)
 class VerifyReport:
     """Result of :func:`verify_store`."""
