@@ -20,6 +20,9 @@ Design decisions:
 - A writer thread serializes, hashes and fsyncs shard k while the target computes shard k + 1 (at most one shard
   in flight, so memory stays at two shards).
 - Listed shards that are missing or fail their size/header check on resume are re-extracted (same bytes).
+- One driver: a single process is the data-parallel job with one rank (:func:`_write_store` runs on every rank,
+  the same loop; :mod:`eyas.data.extract_ranks` holds what differs with the world size, and starts no process
+  group for one rank). So any store a killed job left, whatever its world size, resumes under any other.
 - Backends: ``extract.backend=transformers`` (eyas's own forward, above) or ``vllm`` (a serving engine computes
   the states and eyas packs its per-request files into the same shards; :mod:`eyas.data.extract_engine`). Both
   go through the same shard writer, manifest and resume logic; the manifest's ``run`` records the backend.
@@ -58,24 +61,31 @@ from eyas.common import (
 )
 from eyas.data.corpora.readers import iter_jsonl
 from eyas.data.extract_engine import ENGINE_STATES_DIR
-from eyas.data.extract_ranks import PART_GLOB, Ranks, extract_ranks
+from eyas.data.extract_ranks import (
+    RankGroup,
+    RankReport,
+    Ranks,
+    ShardLog,
+    StoreTotals,
+    finish_store,
+    load_parts,
+)
 from eyas.data.store import (
     MANIFEST,
     BytesPerToken,
+    FeatureBlock,
     FeatureCodec,
     Manifest,
-    SampleRows,
     ShardEntry,
     StoreConfigError,
     StoreError,
     StoreMismatchError,
     StoreOptions,
+    check_shard_file,
     check_target,
     fsync_dir,
-    rows_of,
     shard_metadata,
     shard_name,
-    verify_store,
     write_safetensors,
 )
 from eyas.data.types import Sample
@@ -166,23 +176,6 @@ class ExtractResult:
 
 
 # -- features of a list of samples (shared with the online mode) -------------------------------------------------
-@dataclass
-class FeatureBlock:
-    """Encoded features of consecutive samples, concatenated along the token axis (a shard's tensors)."""
-
-    tensors: dict[str, torch.Tensor]
-    """input_ids [N] int32, loss_mask [N] uint8, offsets [S+1] int64 and the codec's feature tensors [N, ...]."""
-    sample_ids: list[str]
-    feature_names: list[str]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tensors["input_ids"].shape[0])
-
-    def rows(self, i: int) -> SampleRows:
-        return rows_of(self.tensors, self.tensors["offsets"], i, self.sample_ids[i], self.feature_names)
-
-
 def plan_microbatches(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
     """Indices grouped longest-first so that ``rows * longest <= max_tokens`` (empty samples are left out)."""
     order = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: (-int(lengths[i]), i))
@@ -356,6 +349,11 @@ class _ShardWriter:
         else:
             self.pending = self.pool.submit(self._write, index, block, inputs_sha)
 
+    def keep(self, index: int, entry: ShardEntry) -> None:
+        """Record shard ``index``, found finished in the store, after the shards before it."""
+        self.wait()
+        self.record(index, entry)
+
     def wait(self) -> None:
         if self.pending is not None:
             fut, self.pending = self.pending, None
@@ -397,23 +395,6 @@ class _ShardWriter:
         )
 
 
-def _manifest_recorder(out_dir: Path, manifest: Manifest) -> Callable[[int, ShardEntry], None]:
-    """Record a written shard in ``manifest`` and save it (the single-process store's bookkeeping)."""
-
-    def record(index: int, entry: ShardEntry) -> None:
-        shards = manifest.shards
-        if index < len(shards):
-            shards[index] = entry
-        elif index == len(shards):
-            shards.append(entry)
-            manifest.complete = False  # growing: complete again only once the input is exhausted
-        else:  # never: shards are written in order
-            raise AssertionError(f"shard {index} written before shard {len(shards)}")
-        manifest.save(out_dir)
-
-    return record
-
-
 class _Counted:
     """An iterable with a known length (for the progress bar) or none."""
 
@@ -443,7 +424,7 @@ def _chunks(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
         yield chunk
 
 
-def _open_for_writing(out_dir: Path, fresh: Manifest) -> Manifest:
+def open_for_writing(out_dir: Path, fresh: Manifest) -> Manifest:
     """The manifest to continue: the existing one (checked against ``fresh``) or ``fresh`` (saved)."""
     if (out_dir / MANIFEST).exists():
         old = Manifest.load(out_dir)
@@ -525,13 +506,8 @@ def extract(
             "(extract.server.args='[--tensor-parallel-size,N]' or --data-parallel-size) instead of launching "
             "eyas on several ranks"
         )
-    if ranks.world > 1:
-        return extract_ranks(samples, target, out_dir, cfg, codec, fresh, ranks)
-    lock = acquire_store_lock(out_dir)
-    try:
-        return _extract_locked(samples, target, out_dir, cfg, codec, fresh)
-    finally:
-        lock.release()
+    with RankGroup(ranks, cfg.rank_timeout_s) as group:
+        return _write_store(samples, target, out_dir, cfg, codec, fresh, group)
 
 
 def acquire_store_lock(out_dir: Path) -> FileLock:
@@ -546,92 +522,165 @@ def acquire_store_lock(out_dir: Path) -> FileLock:
     return lock
 
 
-def _extract_locked(
-    samples, target, out_dir: Path, cfg: ExtractConfig, codec: FeatureCodec, fresh: Manifest
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _open_store(out_dir: Path, fresh: Manifest, group: RankGroup) -> FileLock | None:
+    """Rank 0 takes the store's lock and opens the store (:func:`open_for_writing`) before any rank writes into it;
+    the lock on rank 0, None elsewhere. When rank 0 cannot, every rank raises (rank 0 its own error)."""
+    lock: FileLock | None = None
+    failure: Exception | None = None
+    error = None
+    if group.ranks.rank == 0:
+        try:
+            lock = acquire_store_lock(out_dir)
+            for tmp in out_dir.glob("*.tmp"):
+                tmp.unlink()  # a killed job's partial shard or manifest: never listed, never read
+            open_for_writing(out_dir, fresh)
+        except Exception as e:
+            failure, error = e, _describe(e)
+            if lock is not None:
+                lock.release()
+    error = group.broadcast(error)
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise StoreError(f"rank 0 could not open the feature store {out_dir}: {error}")
+    return lock
+
+
+def _write_store(
+    samples: _Counted,
+    target,
+    out_dir: Path,
+    cfg: ExtractConfig,
+    codec: FeatureCodec,
+    fresh: Manifest,
+    group: RankGroup,
 ) -> ExtractResult:
+    """The one driver, on every rank: open the store, extract this rank's shards, and let rank 0 finish the
+    manifest; a failure on any rank is raised on every rank (its own error where it happened)."""
     t0 = time.perf_counter()
-    for tmp in out_dir.glob("*.tmp"):
-        tmp.unlink()  # a killed job's partial shard or manifest: never listed, never read
-    manifest = _open_for_writing(out_dir, fresh)
-    listed = len(manifest.shards)
-    report = verify_store(out_dir, full=cfg.verify_resume == "full", raise_errors=False, manifest=manifest)
-    damaged = set(report.missing) | set(report.corrupt)
-    redo = {k for k, s in enumerate(manifest.shards) if s.file in damaged}
-    if redo:
-        log.warning(
-            "re-extracting %d listed shard(s) that are missing or damaged: %s", len(redo), sorted(redo)
-        )
-    if listed:
-        log.info("resuming %s: %d shard(s) already written", out_dir, listed - len(redo))
-    total = len(samples) or None
-    bar = tqdm(
-        total=total,
-        unit="sample",
-        desc=f"extract {cfg.store.label}",
-        disable=not cfg.progress,
-        dynamic_ncols=True,
-    )
-    writer = _ShardWriter(out_dir, _manifest_recorder(out_dir, manifest), cfg.writer_thread)
-    computed_tokens = 0
-    num_chunks = 0
-
-    def progress(n_samples: int, n_tokens: int) -> None:
-        nonlocal computed_tokens
-        computed_tokens += n_tokens
-        bar.update(n_samples)
-        bar.set_postfix(tok_s=f"{computed_tokens / max(time.perf_counter() - t0, 1e-9):.0f}", refresh=False)
-
+    lock = _open_store(out_dir, fresh, group)
+    failure: Exception | None = None
     try:
-        for k, chunk in enumerate(_chunks(samples, cfg.shard_size)):
-            num_chunks = k + 1
-            sha = shard_fingerprint(chunk, k, target, manifest.shards[k] if k < listed else None, out_dir)
-            if k < listed and k not in redo:
-                bar.update(len(chunk))
-                continue
-            block = features_of(target, chunk, codec, cfg, on_progress=progress)
-            writer.submit(k, block, sha)
-        writer.wait()
+        try:
+            report = _extract_shards(samples, target, out_dir, cfg, codec, group)
+        except Exception as e:
+            failure, report = e, RankReport(error=_describe(e))
+        reports = group.gather(report)
+        totals = None
+        if reports is not None:  # rank 0: fold every rank's shards into the manifest
+            try:
+                totals = finish_store(out_dir, reports)
+            except Exception as e:
+                totals = StoreTotals(error=_describe(e))
+                failure = failure or e
     finally:
-        writer.close()
-        bar.close()
-    if num_chunks < len(manifest.shards):
-        raise StoreConfigError(
-            f"{out_dir} holds {len(manifest.shards)} shards but the input now fills only {num_chunks}: the input "
-            "changed since the store was started"
-        )
-    if not manifest.complete:
-        manifest.complete = True
-        manifest.save(out_dir)
-    for part in out_dir.glob(PART_GLOB):  # left by a killed data-parallel run that this process finished
-        part.unlink()
-    d = manifest.to_dict()
-    tot = d["totals"]
+        if lock is not None:
+            lock.release()
+    totals = group.broadcast(totals)
+    if failure is not None:
+        raise failure
+    if totals.error is not None:
+        raise StoreError(f"data-parallel extraction into {out_dir} failed: {totals.error}")
+    tot = totals.totals
     result = ExtractResult(
         out_dir=out_dir,
         num_shards=tot["num_shards"],
         num_samples=tot["num_samples"],
         num_tokens=tot["num_tokens"],
         num_loss_tokens=tot["num_loss_tokens"],
-        shards_written=writer.written,
-        shards_skipped=tot["num_shards"] - writer.written,
+        shards_written=totals.written,
+        shards_skipped=tot["num_shards"] - totals.written,
         bytes=tot["bytes"],
         bytes_per_token=codec.bytes_per_token(),
-        computed_tokens=computed_tokens,
+        computed_tokens=totals.computed_tokens,
         seconds=time.perf_counter() - t0,
     )
-    log.info(
-        "feature store %s: %d samples, %d tokens in %d shards (%d written now), %.0f bytes/token (%.2fx the 4H bf16 "
-        "anchor), %.0f tokens/s",
-        out_dir,
-        result.num_samples,
-        result.num_tokens,
-        result.num_shards,
-        result.shards_written,
-        result.bytes_per_token.total,
-        result.bytes_per_token.ratio_to_anchor,
-        result.tokens_per_s,
-    )
+    if group.ranks.rank == 0:
+        log.info(
+            "feature store %s: %d samples, %d tokens in %d shards (%d written now by %d rank(s)), %.0f bytes/token "
+            "(%.2fx the 4H bf16 anchor), %.0f tokens/s",
+            out_dir,
+            result.num_samples,
+            result.num_tokens,
+            result.num_shards,
+            result.shards_written,
+            group.ranks.world,
+            result.bytes_per_token.total,
+            result.bytes_per_token.ratio_to_anchor,
+            result.tokens_per_s,
+        )
     return result
+
+
+def _extract_shards(
+    samples: _Counted, target, out_dir: Path, cfg: ExtractConfig, codec: FeatureCodec, group: RankGroup
+) -> RankReport:
+    """This rank's shards into the open store: those found finished (in the manifest or a part file, and whose
+    file passes ``cfg.verify_resume``) are kept, the others computed and written."""
+    ranks = group.ranks
+    manifest = Manifest.load(out_dir)
+    known = dict(enumerate(manifest.shards)) | load_parts(out_dir)
+    group.barrier()  # every rank has read the part files before any rewrites its own
+    shard_log = ShardLog(out_dir, ranks, manifest)
+    report = RankReport(entries=shard_log.done)
+    skipped: list[int] = []
+    t0 = time.perf_counter()
+    bar = tqdm(
+        total=(len(samples) or None) if ranks.world == 1 else None,
+        unit="sample",
+        desc=f"extract {cfg.store.label}" + (f" rank {ranks.rank}/{ranks.world}" if ranks.world > 1 else ""),
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+    )
+
+    def progress(n_samples: int, n_tokens: int) -> None:
+        report.computed_tokens += n_tokens
+        bar.update(n_samples)
+        bar.set_postfix(
+            tok_s=f"{report.computed_tokens / max(time.perf_counter() - t0, 1e-9):.0f}", refresh=False
+        )
+
+    writer = _ShardWriter(out_dir, shard_log, cfg.writer_thread)
+    try:
+        for k, chunk in enumerate(_chunks(samples, cfg.shard_size)):
+            report.num_chunks = k + 1
+            if not ranks.owns(k):
+                continue
+            old = known.get(k)
+            sha = shard_fingerprint(chunk, k, target, old, out_dir)
+            if old is not None:
+                problem = check_shard_file(out_dir, k, old, full=cfg.verify_resume == "full")
+                if problem is None:
+                    writer.keep(k, old)
+                    skipped.append(k)
+                    bar.update(len(chunk))
+                    continue
+                log.warning("re-extracting shard %d: %s", k, problem)
+            block = features_of(target, chunk, codec, cfg, on_progress=progress)
+            writer.submit(k, block, sha)
+        writer.wait()
+    finally:
+        writer.close()
+        bar.close()
+    report.written = writer.written
+    extracted = sorted(set(shard_log.done) - set(skipped))
+    if ranks.world > 1:
+        log.info(
+            "rank %d/%d: extracted shards %s, found shards %s finished",
+            ranks.rank,
+            ranks.world,
+            extracted,
+            skipped,
+        )
+    elif skipped:
+        log.info(
+            "resumed %s: extracted %d shard(s), found %d finished", out_dir, len(extracted), len(skipped)
+        )
+    return report
 
 
 # -- input: samples JSONL -------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eyas.data.store import FeatureCodec
+from eyas.data.store import FeatureBlock, FeatureCodec
 from eyas.data.types import Sample
 from eyas.serving.engine_process import (
     REPO_ROOT,
@@ -229,10 +229,8 @@ def pack_states(
     head: Callable[[torch.Tensor], torch.Tensor] | None,
     dtype: torch.dtype,
 ):
-    """A :class:`~eyas.data.extract.FeatureBlock` of ``samples`` from their engine files' tensors (None for an
+    """A :class:`~eyas.data.store.FeatureBlock` of ``samples`` from their engine files' tensors (None for an
     empty sample): aux states as they are, the teacher as ``final_norm`` of the last layer's output."""
-    from eyas.data.extract import FeatureBlock
-
     lengths = np.array([s.num_tokens for s in samples], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     n = int(offsets[-1])

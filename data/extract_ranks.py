@@ -1,7 +1,11 @@
-"""Data-parallel extraction: ``world`` processes, on one node or several, write one feature store together.
+"""The ranks of an extraction: ``world`` processes, on one node or several, write one feature store together, and a
+single process is the world of one. :func:`eyas.data.extract.extract` drives every rank through the same loop; this
+module holds what differs with the world size: where a rank records its finished shards, the collectives, and rank
+0's final manifest.
 
-Any launcher that sets ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` starts it (``accelerate
-launch``, ``torchrun``, ``srun`` around either); ``python -m eyas.data.extract`` reads them (:meth:`Ranks.from_env`).
+Any launcher that sets ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` starts several
+(``accelerate launch``, ``torchrun``, ``srun`` around either); ``python -m eyas.data.extract`` reads them
+(:meth:`Ranks.from_env`).
 
 Design decisions:
 - Shard k is extracted by rank ``k % world``. A shard's bytes depend only on its samples and the settings (see
@@ -9,12 +13,16 @@ Design decisions:
 - Every rank reads the whole samples file (small next to the features it becomes) and skips the shards of the
   others: no rank waits for another's input, and all of them count the same shards.
 - The ranks share the store directory (a shared filesystem when they are on several nodes). Rank 0 alone holds
-  the store's lock, checks or creates the manifest before any rank starts, and writes the final manifest. Every
-  rank writes its shard files and its part file ``manifest.rank{r}.json`` (the shards it has finished, rewritten
-  after each), so a killed job resumes from what every rank finished, with the same or another world size.
+  the store's lock, checks or creates the manifest before any rank starts, and writes the final manifest.
+- Where a finished shard is recorded (:class:`ShardLog`): a world of one lists it in the manifest at once (a
+  reader with ``allow_incomplete`` sees the shards of a running or killed job); with several ranks each one
+  rewrites its part file ``manifest.rank{r}.json`` (the shards it has finished) after each shard. Every rank reads
+  the manifest and all part files on start, so a killed job resumes from what every rank finished, with the same or
+  another world size (one process included).
 - At the end the ranks send their entries to rank 0 over a gloo group (kilobytes, whatever device the target runs
   on); rank 0 lists every shard in order, marks the store complete and deletes the part files. An error on one
-  rank travels the same way, so every rank stops with it instead of waiting for the others.
+  rank travels the same way, so every rank stops with it instead of waiting for the others. A world of one starts
+  no process group: its collectives return their argument.
 """
 
 from __future__ import annotations
@@ -23,31 +31,13 @@ import json
 import logging
 import os
 import threading
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from filelock import FileLock
-from tqdm.auto import tqdm
+from typing import Any
 
 from eyas.common import atomic_write_bytes
-from eyas.data.store import (
-    MANIFEST,
-    FeatureCodec,
-    Manifest,
-    ShardEntry,
-    StoreConfigError,
-    StoreError,
-    check_shard_file,
-)
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-    from eyas.data.extract import ExtractConfig, ExtractResult
-    from eyas.data.types import Sample
+from eyas.data.store import Manifest, ShardEntry, StoreConfigError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -87,55 +77,91 @@ class Ranks:
         return shard % self.world == self.rank
 
 
-class _Group:
-    """Object collectives among the ranks over gloo (the default group when this module starts it)."""
+class RankGroup:
+    """Object collectives among the ranks: over gloo (the default group when this class starts it) for several
+    ranks; a world of one starts nothing and each collective returns its argument. A context manager."""
 
     def __init__(self, ranks: Ranks, timeout_s: float):
+        self.ranks = ranks
+        self.dist: Any = None
+        self.owned = False
+        self.pg = None
+        if ranks.world == 1:
+            return
         import torch.distributed as dist
 
-        self.dist, self.ranks = dist, ranks
+        self.dist = dist
         self.owned = not dist.is_initialized()
         if self.owned:  # MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE from the launcher
             dist.init_process_group(
                 "gloo", rank=ranks.rank, world_size=ranks.world, timeout=timedelta(seconds=timeout_s)
             )
-            self.pg = None
         else:
             self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
+        if self.dist is None:
+            return obj
         box = [obj]
         self.dist.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` (in rank order) on rank 0; None elsewhere."""
+        if self.dist is None:
+            return [obj]
         out = [None] * self.ranks.world if self.ranks.rank == 0 else None
         self.dist.gather_object(obj, out, dst=0, group=self.pg)
         return out
 
     def barrier(self) -> None:
-        self.dist.barrier(group=self.pg)
+        if self.dist is not None:
+            self.dist.barrier(group=self.pg)
 
     def close(self) -> None:
         if self.owned:
             self.dist.destroy_process_group()
 
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 @dataclass
-class _RankReport:
+class RankReport:
     """What one rank sends rank 0 at the end."""
 
-    entries: dict[int, ShardEntry]
+    entries: dict[int, ShardEntry] = field(default_factory=dict)
     """Its shards (written now or found finished), by index."""
-    num_chunks: int
-    written: int
-    computed_tokens: int
+    num_chunks: int = 0
+    """Shards the whole input fills (every rank counts them all)."""
+    written: int = 0
+    """Shards this rank computed and wrote."""
+    computed_tokens: int = 0
+    """Tokens this rank ran through the target."""
     error: str | None = None
+    """Why this rank stopped, when it failed."""
 
 
-def _load_parts(out_dir: Path) -> dict[int, ShardEntry]:
+@dataclass
+class StoreTotals:
+    """What rank 0 tells every rank once it has written the final manifest (or why it could not)."""
+
+    totals: dict[str, Any] = field(default_factory=dict)
+    """The manifest's ``totals`` (shards, samples, tokens, loss tokens, bytes)."""
+    written: int = 0
+    """Shards computed by this job, all ranks together."""
+    computed_tokens: int = 0
+    """Tokens run through the target by this job, all ranks together."""
+    error: str | None = None
+    """Set when a rank failed or the manifest could not be finished."""
+
+
+def load_parts(out_dir: Path) -> dict[int, ShardEntry]:
+    """The shards listed in the part files a data-parallel run left in ``out_dir``, by index."""
     found: dict[int, ShardEntry] = {}
     for p in sorted(out_dir.glob(PART_GLOB)):
         try:
@@ -146,166 +172,46 @@ def _load_parts(out_dir: Path) -> dict[int, ShardEntry]:
     return found
 
 
-def extract_ranks(
-    samples: Iterable[Sample],
-    target,
-    out_dir: Path,
-    cfg: ExtractConfig,
-    codec: FeatureCodec,
-    fresh: Manifest,
-    ranks: Ranks,
-) -> ExtractResult:
-    """This rank's share of the extraction of ``samples`` into ``out_dir`` (see the module doc); the job's
-    :class:`~eyas.data.extract.ExtractResult`, the same on every rank."""
-    group = _Group(ranks, cfg.rank_timeout_s)
-    try:
-        return _extract(samples, target, out_dir, cfg, codec, fresh, ranks, group)
-    finally:
-        group.close()
+class ShardLog:
+    """Records this rank's finished shards (written now or found finished): in ``manifest`` itself, saved after each,
+    when it is the only rank; else in its part file. Called from the writer thread and the compute thread, in shard
+    order (the manifest lists shards in order)."""
+
+    def __init__(self, out_dir: Path, ranks: Ranks, manifest: Manifest):
+        self.out_dir, self.ranks, self.manifest = out_dir, ranks, manifest
+        self.done: dict[int, ShardEntry] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, index: int, entry: ShardEntry) -> None:
+        with self._lock:
+            self.done[index] = entry
+            if self.ranks.world == 1:
+                self._list(index, entry)
+            else:  # rewritten even for a shard found finished: the part file that listed it may be overwritten
+                text = json.dumps(
+                    {"shards": {str(k): asdict(v) for k, v in sorted(self.done.items())}}, indent=1
+                )
+                atomic_write_bytes(self.out_dir / part_name(self.ranks.rank), (text + "\n").encode())
+
+    def _list(self, index: int, entry: ShardEntry) -> None:
+        shards = self.manifest.shards
+        if index < len(shards):
+            if shards[index] == entry:
+                return  # already listed as it is
+            shards[index] = entry
+        elif index == len(shards):
+            shards.append(entry)
+            self.manifest.complete = False  # growing: complete again only once the input is exhausted
+        else:  # never: shards are recorded in order
+            raise AssertionError(f"shard {index} recorded before shard {len(shards)}")
+        self.manifest.save(self.out_dir)
 
 
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _extract(
-    samples: Iterable[Sample],
-    target,
-    out_dir: Path,
-    cfg: ExtractConfig,
-    codec: FeatureCodec,
-    fresh: Manifest,
-    ranks: Ranks,
-    group: _Group,
-) -> ExtractResult:
-    from eyas.data.extract import (
-        ExtractResult,
-        _chunks,
-        _open_for_writing,
-        _ShardWriter,
-        acquire_store_lock,
-        features_of,
-        shard_fingerprint,
-    )
-
-    t0 = time.perf_counter()
-    lock: FileLock | None = None
-    failure: BaseException | None = None
-    error = None
-    if ranks.rank == 0:  # rank 0 opens the store before any rank writes into it
-        try:
-            lock = acquire_store_lock(out_dir)
-            for tmp in out_dir.glob("*.tmp"):
-                tmp.unlink()  # a killed job's partial shard or manifest: never listed, never read
-            _open_for_writing(out_dir, fresh)
-        except Exception as e:
-            failure, error = e, _describe(e)
-    error = group.broadcast(error)
-    try:
-        if error is not None:
-            if failure is not None:
-                raise failure
-            raise StoreError(f"rank 0 could not open the feature store {out_dir}: {error}")
-        manifest = Manifest.load(out_dir)
-        known = {k: e for k, e in enumerate(manifest.shards)} | _load_parts(out_dir)
-        group.barrier()  # every rank has read the part files before any rewrites its own
-
-        done: dict[int, ShardEntry] = {}
-        skipped: list[int] = []
-        done_lock = threading.Lock()  # the writer thread records written shards, this one skipped ones
-        part = out_dir / part_name(ranks.rank)
-
-        def record(index: int, entry: ShardEntry) -> None:
-            with done_lock:
-                done[index] = entry
-                text = json.dumps({"shards": {str(k): asdict(v) for k, v in sorted(done.items())}}, indent=1)
-            atomic_write_bytes(part, (text + "\n").encode())
-
-        report = _RankReport(entries=done, num_chunks=0, written=0, computed_tokens=0)
-        bar = tqdm(
-            unit="sample",
-            desc=f"extract {cfg.store.label} rank {ranks.rank}/{ranks.world}",
-            disable=not cfg.progress,
-            dynamic_ncols=True,
-        )
-
-        def progress(n_samples: int, n_tokens: int) -> None:
-            report.computed_tokens += n_tokens
-            bar.update(n_samples)
-
-        writer = _ShardWriter(out_dir, record, cfg.writer_thread)
-        try:
-            for k, chunk in enumerate(_chunks(samples, cfg.shard_size)):
-                report.num_chunks = k + 1
-                if not ranks.owns(k):
-                    continue
-                old = known.get(k)
-                sha = shard_fingerprint(chunk, k, target, old, out_dir)
-                if old is not None:
-                    problem = check_shard_file(out_dir, k, old, full=cfg.verify_resume == "full")
-                    if problem is None:
-                        record(k, old)  # into this rank's part file too: the old one may be overwritten
-                        skipped.append(k)
-                        bar.update(len(chunk))
-                        continue
-                    log.warning("re-extracting shard %d: %s", k, problem)
-                block = features_of(target, chunk, codec, cfg, on_progress=progress)
-                writer.submit(k, block, sha)
-            writer.wait()
-        finally:
-            writer.close()
-            bar.close()
-        report.written = writer.written
-        log.info(
-            "rank %d/%d: extracted shards %s, found shards %s finished",
-            ranks.rank,
-            ranks.world,
-            sorted(set(done) - set(skipped)),
-            skipped,
-        )
-    except Exception as e:
-        if failure is None:
-            failure = e
-        report = _RankReport(entries={}, num_chunks=0, written=0, computed_tokens=0, error=_describe(e))
-    reports = group.gather(report)
-
-    outcome: dict[str, Any] | None = None
-    if reports is not None:  # rank 0: fold every rank's shards into the manifest
-        try:
-            outcome = _finish(out_dir, reports)
-        except Exception as e:
-            outcome = {"error": _describe(e)}
-            if failure is None:
-                failure = e
-        finally:
-            if lock is not None:
-                lock.release()
-    outcome = group.broadcast(outcome)
-    if failure is not None:
-        raise failure
-    if "error" in outcome:
-        raise StoreError(f"data-parallel extraction into {out_dir} failed: {outcome['error']}")
-    tot = outcome["totals"]
-    return ExtractResult(
-        out_dir=out_dir,
-        num_shards=tot["num_shards"],
-        num_samples=tot["num_samples"],
-        num_tokens=tot["num_tokens"],
-        num_loss_tokens=tot["num_loss_tokens"],
-        shards_written=outcome["written"],
-        shards_skipped=tot["num_shards"] - outcome["written"],
-        bytes=tot["bytes"],
-        bytes_per_token=codec.bytes_per_token(),
-        computed_tokens=outcome["computed_tokens"],
-        seconds=time.perf_counter() - t0,
-    )
-
-
-def _finish(out_dir: Path, reports: list[_RankReport]) -> dict[str, Any]:
-    """Rank 0: list every rank's shards in the manifest (complete), delete the part files; the totals."""
+def finish_store(out_dir: Path, reports: list[RankReport]) -> StoreTotals:
+    """Rank 0: list every rank's shards in the manifest (complete), delete the part files; the job's totals."""
     errors = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error is not None]
     if errors:
-        return {"error": "; ".join(errors)}
+        return StoreTotals(error="; ".join(errors))
     n = reports[0].num_chunks
     counts = {rep.num_chunks for rep in reports}
     if len(counts) != 1:  # never: every rank reads the same file
@@ -322,23 +228,14 @@ def _finish(out_dir: Path, reports: list[_RankReport]) -> dict[str, Any]:
             f"{out_dir} holds {len(manifest.shards)} shards but the input now fills only {n}: the input changed "
             "since the store was started"
         )
-    manifest.shards = [entries[k] for k in range(n)]
-    manifest.complete = True
-    manifest.save(out_dir)
-    for p in out_dir.glob(PART_GLOB):
+    shards = [entries[k] for k in range(n)]
+    if manifest.shards != shards or not manifest.complete:  # a finished store is left as it is
+        manifest.shards, manifest.complete = shards, True
+        manifest.save(out_dir)
+    for p in out_dir.glob(PART_GLOB):  # also those of a killed data-parallel run that fewer ranks finished
         p.unlink()
-    d = manifest.to_dict()
-    log.info(
-        "feature store %s: %d samples, %d tokens in %d shards from %d ranks (%s)",
-        out_dir,
-        d["totals"]["num_samples"],
-        d["totals"]["num_tokens"],
-        n,
-        len(reports),
-        MANIFEST,
+    return StoreTotals(
+        totals=manifest.to_dict()["totals"],
+        written=sum(rep.written for rep in reports),
+        computed_tokens=sum(rep.computed_tokens for rep in reports),
     )
-    return {
-        "totals": d["totals"],
-        "written": sum(rep.written for rep in reports),
-        "computed_tokens": sum(rep.computed_tokens for rep in reports),
-    }

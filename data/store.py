@@ -310,6 +310,16 @@ def bytes_per_token(
     ).bytes_per_token()
 
 
+NAMED_OPTIONS: dict[str, StoreOptions] = {
+    "bf16+hidden": StoreOptions(),
+    "bf16+top32": StoreOptions(distribution="topk", topk=32),
+    "fp8+hidden": StoreOptions(aux_dtype="float8_e4m3"),
+    "fp8+top32": StoreOptions(aux_dtype="float8_e4m3", distribution="topk", topk=32),
+    "int4+top32": StoreOptions(aux_dtype="int4", int4_group_size=64, distribution="topk", topk=32),
+}
+"""The storage layouts compared by name (the pipeline's bytes-per-token line, the extraction benchmark's rows)."""
+
+
 # -- shard files (safetensors) ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WrittenFile:
@@ -594,6 +604,24 @@ def rows_of(
         loss_mask=tensors["loss_mask"][b:e],
         features={n: tensors[n][b:e] for n in names},
     )
+
+
+@dataclass
+class FeatureBlock:
+    """Encoded features of consecutive samples, concatenated along the token axis: a shard's tensors before they are
+    written (extraction computes them, :func:`write_safetensors` writes them) or features computed in memory."""
+
+    tensors: dict[str, torch.Tensor]
+    """input_ids [N] int32, loss_mask [N] uint8, offsets [S+1] int64 and the codec's feature tensors [N, ...]."""
+    sample_ids: list[str]
+    feature_names: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    def rows(self, i: int) -> SampleRows:
+        return rows_of(self.tensors, self.tensors["offsets"], i, self.sample_ids[i], self.feature_names)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from eyas.common import (
     json_hash,
 )
 from eyas.data.extract import ExtractStage
+from eyas.data.extract_speed import extraction_speed_check
 from eyas.data.prepare import PrepareConfig
 from eyas.eval.acceptance import AcceptanceResult
 from eyas.eval.profile import StepProfile
@@ -90,55 +91,14 @@ def stage_prepare(pcfg, target: Target, target_cfg: TargetConfig) -> tuple[Any, 
     return res, StageRecord("prepare", str(res.out_dir), time.perf_counter() - t0, res.reused, facts)
 
 
-def extraction_speed_check(
-    samples, target: Target, ecfg, max_tokens: int, repeats: int = 2
-) -> dict[str, Any]:
-    """Extraction against a bare transformers forward (logits at every position) over the same first
-    ``max_tokens`` tokens of ``samples``, in the same micro-batches; best of ``repeats``, interleaved."""
-    import tempfile
-    from dataclasses import replace
-
-    from eyas.data.extract import extract
-    from eyas.lab.bench_extract import bare_forward, timed
-
-    sub, n = [], 0
-    for s in samples:
-        if n >= max_tokens:
-            break
-        sub.append(s)
-        n += s.num_tokens
-    cfg = replace(ecfg, progress=False)
-    bare = bare_forward(target, sub, cfg.max_batch_tokens, cfg.max_batch_rows, base_only=False)
-    base = bare_forward(target, sub, cfg.max_batch_tokens, cfg.max_batch_rows, base_only=True)
-
-    def run_extract() -> None:
-        with tempfile.TemporaryDirectory(prefix="eyas-check-") as d:
-            extract(sub, target, d, cfg)
-
-    best_bare = best_base = best_ext = float("inf")
-    for _ in range(repeats):
-        best_bare = min(best_bare, timed(bare, target.device))
-        best_base = min(best_base, timed(base, target.device))
-        best_ext = min(best_ext, timed(run_extract, target.device))
-    return {
-        "check_tokens": n,
-        "bare_forward_tokens_per_s": round(n / best_bare, 1),
-        "bare_base_tokens_per_s": round(n / best_base, 1),
-        "check_extract_tokens_per_s": round(n / best_ext, 1),
-        "extract_time_vs_bare_forward": round(best_ext / best_bare, 3),
-        "extract_time_vs_bare_base": round(best_ext / best_base, 3),
-    }
-
-
 def store_sizes(target: Target) -> dict[str, BytesPerToken]:
-    """Bytes per token of every storage option for this target."""
-    from eyas.data.store import bytes_per_token
-    from eyas.lab.bench_extract import OPTIONS
+    """Bytes per token of every named storage option for this target."""
+    from eyas.data.store import NAMED_OPTIONS, bytes_per_token
 
     info = target.info
     return {
         name: bytes_per_token(info.hidden_size, len(info.aux_layers), opt, info.vocab_size)
-        for name, opt in OPTIONS.items()
+        for name, opt in NAMED_OPTIONS.items()
     }
 
 

@@ -10,6 +10,8 @@ Measured on the same length-sorted, padded micro-batches the extraction uses:
 - ``extract <option>``: the whole job (forward, aux capture, encoding, top-k, shard serialization, sha256,
   fsync) writing a real store into a temporary directory.
 Each path runs ``repeats`` times, interleaved; the best time counts (the first pass also warms kernels up).
+The bare paths and the timer are the product's (:mod:`eyas.data.extract_speed`, the pipeline's speed check),
+the layouts :data:`eyas.data.store.NAMED_OPTIONS`.
 Tokens/s counts real tokens only (no padding).
 """
 
@@ -21,24 +23,16 @@ import random
 import shlex
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from eyas.data.extract import ExtractConfig, extract, plan_microbatches
-from eyas.data.store import StoreOptions, bytes_per_token
+from eyas.data.extract import ExtractConfig, extract
+from eyas.data.extract_speed import bare_forward, timed
+from eyas.data.store import NAMED_OPTIONS, bytes_per_token
 from eyas.data.types import Sample
-
-OPTIONS = {
-    "bf16+hidden": StoreOptions(),
-    "bf16+top32": StoreOptions(distribution="topk", topk=32),
-    "fp8+hidden": StoreOptions(aux_dtype="float8_e4m3"),
-    "fp8+top32": StoreOptions(aux_dtype="float8_e4m3", distribution="topk", topk=32),
-    "int4+top32": StoreOptions(aux_dtype="int4", int4_group_size=64, distribution="topk", topk=32),
-}
 
 
 @dataclass
@@ -58,17 +52,17 @@ class BenchExtractConfig:
     repeats: int = 2
     threads: int = 0
     """torch CPU threads (0: torch's default)."""
-    options: list[str] = field(default_factory=lambda: list(OPTIONS))
-    """Store layouts to extract (a subset of :data:`OPTIONS`)."""
+    options: list[str] = field(default_factory=lambda: list(NAMED_OPTIONS))
+    """Store layouts to extract (a subset of :data:`NAMED_OPTIONS`)."""
     writer_thread: bool = True
     """Serialize shards on a writer thread (false: on the compute thread)."""
     out: str | None = None
     """Also write the results as JSON here."""
 
     def __post_init__(self) -> None:
-        unknown = [n for n in self.options if n not in OPTIONS]
+        unknown = [n for n in self.options if n not in NAMED_OPTIONS]
         if unknown:
-            raise ValueError(f"bench_extract.options: unknown {unknown}; choose from {list(OPTIONS)}")
+            raise ValueError(f"bench_extract.options: unknown {unknown}; choose from {list(NAMED_OPTIONS)}")
         if not 0 < self.min_len <= self.max_len:
             raise ValueError(
                 f"bench_extract: need 0 < min_len <= max_len, got {self.min_len}, {self.max_len}"
@@ -88,41 +82,6 @@ def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> l
             )
         )
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def bare_forward(
-    target, samples: list[Sample], max_batch_tokens: int, max_batch_rows: int, base_only: bool
-) -> Callable[[], None]:
-    """A function running the plain transformers forward over the extraction's micro-batches."""
-    lengths = [s.num_tokens for s in samples]
-    batches = []
-    for mb in plan_microbatches(lengths, max_batch_tokens, max_batch_rows):
-        t = lengths[mb[0]]
-        ids = torch.zeros(len(mb), t, dtype=torch.long)
-        for r, i in enumerate(mb):
-            ids[r, : lengths[i]] = torch.tensor(samples[i].input_ids)
-        batches.append(ids.to(target.device))
-    model = target.base if base_only else target.model
-
-    @torch.inference_mode()
-    def run() -> None:
-        for ids in batches:
-            model(input_ids=ids)
-
-    return run
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -155,7 +114,7 @@ def run(args: BenchExtractConfig, argv: list[str] | None = None) -> list[dict]:
     }
     for name in names:
         cfg = ExtractConfig(
-            store=OPTIONS[name],
+            store=NAMED_OPTIONS[name],
             shard_size=args.shard_size,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_rows=args.max_batch_rows,
@@ -191,7 +150,7 @@ def run(args: BenchExtractConfig, argv: list[str] | None = None) -> list[dict]:
         row = {"path": k, "tokens_per_s": tps, "vs_causal_lm": base_lm / sec, "vs_base": base / sec}
         if k.startswith("extract "):
             b = bytes_per_token(
-                info.hidden_size, len(info.aux_layers), OPTIONS[k.split(" ", 1)[1]], info.vocab_size
+                info.hidden_size, len(info.aux_layers), NAMED_OPTIONS[k.split(" ", 1)[1]], info.vocab_size
             )
             size = f"{b.total:>11}{b.ratio_to_anchor:>12.3f}"
             row.update(bytes_per_token=b.total, ratio_to_anchor=b.ratio_to_anchor)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 
 from eyas.data.extract import ExtractConfig
+from eyas.data.extract_speed import extraction_speed_check
 from eyas.data.store import StoreOptions
 from eyas.data.types import Sample
-from eyas.pipeline import extraction_speed_check, store_sizes
+from eyas.pipeline import store_sizes
 from tests.conftest import make_tiny_target
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from eyas.data.extract import (
     plan_microbatches,
     read_samples_jsonl,
 )
+from eyas.data.extract_ranks import part_name
 from eyas.data.store import FeatureStore, Manifest, StoreConfigError, StoreMismatchError, StoreOptions
 from eyas.data.types import Sample
 from tests.conftest import make_tiny_target
@@ -99,6 +102,29 @@ def test_damaged_shard_is_reextracted_identically(tmp_path):
     res = extract(samples, target, tmp_path, cfg)
     assert res.shards_written == 2
     assert _files(tmp_path) == before
+
+
+def test_one_process_finishes_a_killed_data_parallel_store_from_its_part_files(tmp_path):
+    """One process is the data-parallel job with one rank: it keeps the shards that the ranks of a killed run
+    finished (listed in their part files, not yet in the manifest), writes only the others, and leaves the store
+    an uninterrupted run writes."""
+    target = make_tiny_target()
+    samples = random_samples(12)
+    cfg = ExtractConfig(shard_size=3, progress=False)
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    extract(samples, target, clean, cfg)
+    shutil.copytree(clean, killed)
+    m = Manifest.load(killed)
+    # two ranks killed: rank 0 finished shard 0 and died writing shard 2, rank 1 finished shards 1 and 3
+    for rank, mine in ((0, [0]), (1, [1, 3])):
+        part = {"shards": {str(k): asdict(m.shards[k]) for k in mine}}
+        (killed / part_name(rank)).write_text(json.dumps(part))
+    (killed / "shard-00002.safetensors").unlink()
+    m.shards, m.complete = [], False  # rank 0 writes the manifest's list only at the end
+    m.save(killed)
+    res = extract(samples, target, killed, cfg)
+    assert (res.shards_written, res.shards_skipped) == (1, 3)
+    assert _files(killed) == _files(clean)  # part files gone, manifest complete, same bytes
 
 
 def test_features_equal_the_targets_own_forward(tmp_path):

@@ -322,7 +322,7 @@ def test_engine_settings_are_validated_and_reach_hydra():
 
 def test_state_dir_is_not_a_stray_file(tmp_path):
     """The started server's folder inside the store directory does not make it 'not empty'."""
-    from eyas.data.extract import _open_for_writing
+    from eyas.data.extract import open_for_writing
 
     (tmp_path / ENGINE_STATES_DIR).mkdir()
     fresh = Manifest(
@@ -331,7 +331,7 @@ def test_state_dir_is_not_a_stray_file(tmp_path):
         options=StoreOptions().to_dict(),
         shard_size=2,
     )
-    _open_for_writing(tmp_path, fresh)
+    open_for_writing(tmp_path, fresh)
     assert (tmp_path / "manifest.json").exists()
 
 
