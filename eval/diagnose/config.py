@@ -36,17 +36,16 @@ def _default_sets() -> list[PromptSetSpec]:
 
 @dataclass
 class DiagnoseConfig:
-    """What ``measure`` runs (also the ``key=value`` arguments of ``python -m eyas.eval.diagnose``)."""
+    """What ``measure`` runs (the ``diagnose`` key of ``eyas diagnose``: ``diagnose.chain_length=6``)."""
 
-    target: TargetConfig = field(default_factory=TargetConfig)
-    """The target model (default: the embedded SmolLM2-135M-Instruct)."""
-    drafter: str | None = None
-    """EAGLE-3 drafter for the ``eagle3`` methods: ``random`` (untrained), ``auto`` (the newest drafter under
-    ``runs_dir``), an exported checkpoint directory, or a trainer checkpoint / ``best`` / output directory."""
+    export_dir: str | None = None
+    """The EAGLE-3 drafter of the ``eagle3`` methods: an exported drafter (``eyas export``'s directory; a trainer
+    checkpoint or run directory also loads), or ``auto`` (the newest drafter under ``runs_dir``); None: an
+    untrained drafter of the target's shape (τ ≈ 1, a trained one's step costs)."""
     draft_vocab_size: int = 32000
-    """Draft vocabulary of the ``random`` drafter."""
+    """Draft vocabulary of the untrained drafter."""
     runs_dir: str = "runs"
-    """Where ``drafter=auto`` looks."""
+    """Where ``export_dir=auto`` looks."""
     methods: list[str] = field(default_factory=lambda: ["eagle3-chain", "prompt-lookup"])
     """Any of ``eagle3-chain``, ``eagle3-tree`` (one method per entry of ``trees``), ``prompt-lookup``, ``none``."""
     chain_length: int = 4
@@ -99,6 +98,10 @@ class DiagnoseConfig:
     measured there instead of this run's τ held constant (which the report shows alongside)."""
 
     def __post_init__(self) -> None:
+        if (
+            self.export_dir == "random"
+        ):  # load_drafter's name for it: refused, so a directory is never taken for it
+            raise DiagnoseError("export_dir=random: leave export_dir null for an untrained drafter")
         if self.chain_length <= 0:
             raise DiagnoseError(f"chain_length (K) must be >= 1, got {self.chain_length}")
         if self.k_max is not None and self.k_max <= 0:
@@ -166,6 +169,20 @@ class DiagnoseConfig:
     @property
     def uses_drafter(self) -> bool:
         return any(m.startswith("eagle3") for m in self.methods)
+
+    @property
+    def drafter_spec(self) -> str:
+        """The drafter as :func:`serving.load.load_drafter` names it (``random`` for an untrained one)."""
+        return self.export_dir or "random"
+
+
+@dataclass
+class DiagnoseJob:
+    """What ``eyas diagnose`` runs (:func:`eval.diagnose.run.run`): the target and the diagnosis."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    """The target model (default: the embedded SmolLM2-135M-Instruct)."""
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
 
 
 def method_specs(cfg: DiagnoseConfig) -> list[MethodSpec]:
