@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import linecache
 import os
 import shlex
 import sys
@@ -133,7 +134,7 @@ def _eyas_dirs() -> tuple[str, ...]:
 def is_input_error(e: BaseException, build: bool = False) -> bool:
     """Whether ``e`` says what to change in the command's settings or inputs (one line, exit status 2): an error
     class eyas defines (``ConfigError``, ``CorpusError``, ``StoreError``, ``DrafterLoadError``, ...); a plain
-    ``ValueError`` / ``RuntimeError`` raised by eyas's own code (``train.epochs must be positive``), or any
+    ``ValueError`` / ``RuntimeError`` raised by a ``raise`` in eyas's code (``train.epochs must be positive``), or any
     ``ValueError`` while the job is built (``build``); a file that is missing or cannot be read, named. Anything
     else (a library's error from deep inside a run) is a bug to report, with its traceback."""
     if not isinstance(e, Exception) or isinstance(e, AssertionError):
@@ -148,7 +149,10 @@ def is_input_error(e: BaseException, build: bool = False) -> bool:
         tb = e.__traceback__
         while tb.tb_next is not None:
             tb = tb.tb_next
-        return str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(_eyas_dirs())
+        # eyas's own `raise ValueError(...)`, not an operation in eyas code that failed (a shape mismatch)
+        where = tb.tb_frame.f_code.co_filename
+        line = linecache.getline(where, tb.tb_lineno).strip()
+        return str(Path(where).resolve()).startswith(_eyas_dirs()) and line.startswith("raise ")
     return False
 
 
@@ -291,8 +295,9 @@ def print_help(cmd: Command, overrides: list[str]) -> None:
     if groups:
         print("\n== Configuration groups ==\nChoose one with group=option\n")
         print("\n".join(f"{k}: {', '.join(v)}" for k, v in groups.items()))
+    own = sorted(cmd.keys, key=lambda k: k != (cmd.key or cmd.name))  # eval's own key first, then the rest
     example = next(
-        (f"{k}.{sub}=..." for k in cmd.keys if hasattr(cfg.get(k), "keys") for sub in cfg[k]), "key=..."
+        (f"{k}.{sub}=..." for k in own if hasattr(cfg.get(k), "keys") for sub in cfg[k]), "key=..."
     )
     print(f"\n== Config ==\nWhat {cmd.usage} reads; override any key ({example})\n")
     print(OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cmd.keys if k in cfg])))
