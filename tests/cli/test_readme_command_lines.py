@@ -80,7 +80,8 @@ def test_every_readme_command_line_parses(tmp_path):
     assert {"eyas.pipeline", "eyas.train", "eyas.data.extract", "eyas.lab.bench_served"} <= names
     assert ("diagnose", [f"diagnose.export_dir={tmp_path}"]) in lines
     failed = []
-    for name, overrides in lines:
+    for name, overrides in dict.fromkeys((n, tuple(o)) for n, o in lines):  # each distinct line once
+        overrides = list(overrides)
         try:
             dry_run(command(name), overrides)
         except Exception as e:  # noqa: BLE001 - every line is reported, not the first only

@@ -189,14 +189,15 @@ def test_noise_widens_the_threshold():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"chain_length": 0}, r"chain_length \(K\) must be >= 1"),
-        ({"k_max": -1}, r"k_max \(K\) must be >= 1"),
-        ({"chain_length": 3, "k_max": 6}, "exceeds the measured chain_length"),
-        ({"methods": ["medusa"]}, "unknown methods"),
-        ({"methods": []}, "methods is empty"),
-        ({"methods": ["eagle3-tree"]}, "needs tree shapes"),
-        ({"prompt_sets": []}, "prompt_sets is empty"),
-        ({"contexts": [0]}, "positive"),
+        ({"chain_length": 0}, r"^diagnose.chain_length \(K\) must be >= 1"),
+        ({"k_max": -1}, r"^diagnose.k_max \(K\) must be >= 1"),
+        ({"chain_length": 3, "k_max": 6}, "exceeds the measured diagnose.chain_length"),
+        ({"methods": ["medusa"]}, "^diagnose.methods: unknown methods"),
+        ({"methods": []}, "^diagnose.methods is empty"),
+        ({"methods": ["eagle3-tree"]}, "needs tree shapes: diagnose.trees="),
+        ({"prompt_sets": []}, "^diagnose.prompt_sets is empty"),
+        ({"contexts": [0]}, "^diagnose.contexts must be positive"),
+        ({"export_dir": "random"}, "^diagnose.export_dir=random: leave diagnose.export_dir null"),
     ],
 )
 def test_bad_settings_name_the_problem(kw, match):
