@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -329,7 +330,13 @@ def demo(job: PipelineJob) -> None:
     run_pipeline(job, command_line(COMMAND))
 
 
-COMMAND = Command("demo", "eyas.pipeline", "demo", PipelineJob, demo, load=pipeline_job, reads=("corpus",))
+def pipeline_command(name: str, module: str, config: str, job: type[J], run: Callable[[J], Any]) -> Command:
+    """The command of a job that is the pipeline's (``job``: :class:`PipelineJob` or one extending it): its
+    ``prepare`` folds in the ``corpus`` group."""
+    return Command(name, module, config, job, run, load=lambda cfg: pipeline_job(cfg, job), reads=("corpus",))
+
+
+COMMAND = pipeline_command("demo", "eyas.pipeline", "demo", PipelineJob, demo)
 main = COMMAND.main
 
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from eyas.command import Command, command_line
+from eyas.command import command_line
 from eyas.data.store import StoreOptions
-from eyas.pipeline import PipelineJob, pipeline_job
+from eyas.pipeline import PipelineJob, pipeline_command
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +198,7 @@ def bench(job: BenchJob) -> None:
     print(f"wrote {path}")
 
 
-COMMAND = Command(
-    "bench",
-    "eyas.lab.bench",
-    "bench",
-    BenchJob,
-    bench,
-    load=lambda cfg: pipeline_job(cfg, BenchJob),
-    reads=("corpus",),
-)
+COMMAND = pipeline_command("bench", "eyas.lab.bench", "bench", BenchJob, bench)
 main = COMMAND.main
 
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from eyas.command import Command, command_line
+from eyas.command import command_line
 from eyas.common import build_config, json_hash
 from eyas.eval.acceptance import PromptSetSpec
-from eyas.pipeline import PipelineJob, pipeline_job
+from eyas.pipeline import PipelineJob, pipeline_command
 from eyas.train.config import DraftModelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -226,15 +226,7 @@ def recipe(job: RecipeJob) -> None:
     run_recipe(job, command_line(COMMAND))
 
 
-COMMAND = Command(
-    "recipe",
-    "eyas.lab.recipe",
-    "recipe",
-    RecipeJob,
-    recipe,
-    load=lambda cfg: pipeline_job(cfg, RecipeJob),
-    reads=("corpus",),
-)
+COMMAND = pipeline_command("recipe", "eyas.lab.recipe", "recipe", RecipeJob, recipe)
 main = COMMAND.main
 
 
