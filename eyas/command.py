@@ -24,6 +24,8 @@ Design decisions:
   (``prepare`` folds ``corpus`` into its config) brings its own :attr:`Command.load`.
 - The checks on the command line run before Hydra composes anything, so an old or unknown key is one line of
   eyas's, not Hydra's "Could not override" paragraph; they parse the overrides with Hydra's own parser.
+- Like :mod:`eyas.common` it imports nothing from the stages (only ``eyas.cli``'s table of commands, for help), so
+  every stage's entry point can use it.
 - Only errors that name what to change become one line: a library's exception from deep inside a run (a bug, not
   a bad input) keeps its traceback.
 """
