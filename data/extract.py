@@ -49,6 +49,7 @@ import torch
 from filelock import FileLock, Timeout
 from tqdm.auto import tqdm
 
+from eyas.command import Command
 from eyas.common import (
     WRITE_PROBE_PREFIX,
     ConfigError,
@@ -56,8 +57,6 @@ from eyas.common import (
     base_config,
     build_config,
     ensure_out_dir,
-    exit_on_config_error,
-    load_job,
 )
 from eyas.data.corpora.readers import iter_jsonl
 from eyas.data.extract_engine import ENGINE_STATES_DIR
@@ -762,20 +761,15 @@ def run(job: ExtractJob, target=None) -> ExtractResult:
     return extract(chain([first], samples), target, job.extract.out_dir, job.extract.settings(), ranks)
 
 
-def main() -> None:
-    import hydra
+def extract_command(job: ExtractJob) -> None:
+    res = run(job)
+    if Ranks.from_env().rank != 0:
+        return  # the same result on every rank: printed once
+    print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(res).items()}, indent=1))
 
-    @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
-    @exit_on_config_error
-    def _app(cfg) -> None:
-        res = run(load_job(cfg, ExtractJob))
-        if Ranks.from_env().rank != 0:
-            return  # the same result on every rank: printed once
-        print(
-            json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(res).items()}, indent=1)
-        )
 
-    _app()
+COMMAND = Command("extract", "eyas.data.extract", "config", ExtractJob, extract_command)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

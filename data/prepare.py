@@ -25,13 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eyas.command import Command
 from eyas.common import (
     InputError,
     atomic_write_json,
     atomic_write_jsonl,
     build_config,
     ensure_out_dir,
-    exit_on_config_error,
     json_hash,
 )
 from eyas.data.chat import FormatStats, format_conversations
@@ -391,16 +391,20 @@ def load_tokenizer(tcfg):
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
-def main() -> None:
-    import hydra
+def prepare_command(job: PrepareJob) -> None:
+    print(format_summary(run(job)))
 
-    @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
-    @exit_on_config_error
-    def _app(cfg) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        print(format_summary(run(prepare_job(cfg))))
 
-    _app()
+COMMAND = Command(
+    "prepare",
+    "eyas.data.prepare",
+    "config",
+    PrepareJob,
+    prepare_command,
+    load=prepare_job,
+    reads=("corpus", "work_dir"),
+)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

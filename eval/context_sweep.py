@@ -12,7 +12,7 @@ Design decisions:
   tokens/s = τ ÷ step time holds exactly for the numbers shown; the measured context of each length is the mean
   context of its steps (prompt + tokens generated so far).
 - The prefix comes from the corpus's held-out split by default, and each prompt gets a different one (``offset``).
-- ``eval.diagnose`` reads the JSON written here (``tau_context=<path>``) to price each length with the τ measured
+- ``eval.diagnose`` reads the JSON written here (``diagnose.tau_context=<path>``) to price each length with the τ measured
   at that length.
 """
 
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +27,7 @@ from typing import Any
 
 import torch
 
+from eyas.command import Command, command_line
 from eyas.common import ConfigError, build_config, json_hash
 from eyas.eval.acceptance import AcceptanceResult, PromptSetSpec, default_methods, run_acceptance
 from eyas.serving.models.target import Target, TargetConfig
@@ -44,8 +43,9 @@ METHODS = ("eagle3-chain", "eagle3-tree", "prompt-lookup", "none")
 class ContextConfig:
     """What ``eyas context`` measures (``conf/context.yaml``, group ``context``)."""
 
-    checkpoint: str | None = None
-    """The drafter (an export or a trainer checkpoint directory); None measures the drafter-free methods only."""
+    export_dir: str | None = None
+    """The exported drafter (``eyas export``'s directory; a trainer checkpoint also loads); None measures the
+    drafter-free methods only."""
     lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 7168])
     """Context lengths: tokens of the prompt the target receives (prefix + prompt, chat template included)."""
     prompts: PromptSetSpec = field(
@@ -218,20 +218,20 @@ def run(
     prompts: dict[int, list[list[int]]] | None = None,
 ) -> ContextResult:
     """Measure every method at every length (see the module docstring); writes JSON, markdown and the figure.
-    The target is loaded, the drafter loaded from ``context.checkpoint`` and the prompts built unless given."""
+    The target is loaded, the drafter loaded from ``context.export_dir`` and the prompts built unless given."""
     from eyas.serving.load import with_drafter_aux_layers
     from eyas.serving.models.target import load_target
 
     cfg = job.context
-    if drafter is None and cfg.checkpoint is None and any(m.startswith("eagle3") for m in cfg.methods):
+    if drafter is None and cfg.export_dir is None and any(m.startswith("eagle3") for m in cfg.methods):
         raise ConfigError(
-            "context.checkpoint is not set: give the drafter directory (context.checkpoint=<dir>), or "
+            "context.export_dir is not set: give the exported drafter (context.export_dir=<dir>), or "
             "measure without it (context.methods=[prompt-lookup,none])"
         )
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = (
-        target if target is not None else load_target(with_drafter_aux_layers(job.target, cfg.checkpoint))
+        target if target is not None else load_target(with_drafter_aux_layers(job.target, cfg.export_dir))
     )
     limit = int(target.model.config.get_text_config().max_position_embeddings)
     room = cfg.prompts.max_new_tokens + 2 * cfg.chain_length + 2
@@ -242,14 +242,14 @@ def run(
             f"target's window of {limit}"
         )
     t0 = time.perf_counter()
-    if drafter is None and cfg.checkpoint:
+    if drafter is None and cfg.export_dir:
         from eyas.serving.load import load_drafter
 
-        drafter = load_drafter(cfg.checkpoint, target).drafter
+        drafter = load_drafter(cfg.export_dir, target).drafter
     out = Path(cfg.out_dir) / json_hash(
         {
             "context": asdict(cfg),
-            "drafter": str(Path(cfg.checkpoint).resolve()) if cfg.checkpoint else None,
+            "drafter": str(Path(cfg.export_dir).resolve()) if cfg.export_dir else None,
             "target": target.info.to_dict(),
         }
     )
@@ -347,21 +347,21 @@ def load_tau_context(path: str | Path) -> ContextResult:
 
 
 # -- command ----------------------------------------------------------------------------------------------------------
-def main() -> None:
-    import hydra
-    from omegaconf import DictConfig
+def measure_context(job: ContextJob) -> None:
+    res = run(job, command=command_line(COMMAND))
+    print(markdown_table(res))
+    print(f"report: {res.out / 'context.md'}")
 
-    from eyas.common import exit_on_config_error, load_job
 
-    @hydra.main(config_path="pkg://eyas.conf", config_name="context", version_base="1.3")
-    @exit_on_config_error
-    def _app(cfg: DictConfig) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        res = run(load_job(cfg, ContextJob), command="eyas context " + shlex.join(sys.argv[1:]))
-        print(markdown_table(res))
-        print(f"report: {res.out / 'context.md'}")
-
-    _app()
+COMMAND = Command(
+    "context",
+    "eyas.eval.context_sweep",
+    "context",
+    ContextJob,
+    measure_context,
+    renamed={"context.checkpoint": "context.export_dir"},
+)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

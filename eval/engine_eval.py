@@ -1,6 +1,6 @@
 """Acceptance measured inside a real serving engine (vLLM, SGLang) on the same prompts as the bundled loop.
 
-``python -m eyas.eval eval.checkpoint=<export> eval.engine=vllm``: eyas starts the engine from its own venv
+``python -m eyas.eval eval.export_dir=<export> eval.engine=vllm``: eyas starts the engine from its own venv
 (``make vllm``) with the target and the export as its EAGLE-3 drafter at K = ``eval.chain_length``, sends every
 prompt set through the HTTP API one request at a time, and reports τ, acceptance per draft position, tokens/s and
 time to first token per set, beside the bundled loop's numbers. ``eval.server_url=<url>`` measures a server

@@ -1,6 +1,7 @@
 """Memory plan for serving a target: KV bytes per token, weights, the KV pool and the largest context that fits.
 
-``python -m eyas.eval.plan model=kimi_k2 gpu_mem_gib=141 num_gpus=8 dp_attention=8 kv_dtype=fp8 context=131072``
+``eyas plan plan.model=kimi_k2 plan.gpu_mem_gib=141 plan.num_gpus=8 plan.dp_attention=8 plan.kv_dtype=fp8
+plan.context=131072`` (``python -m eyas.eval.plan``, ``conf/plan.yaml``)
 
 Design decisions:
 - Everything comes from the model config alone (a preset in ``conf/models/``, a ``config.json`` file or
@@ -24,8 +25,9 @@ Design decisions:
   ``mem_fraction_static`` semantics; ``reserve_gib`` stands in for activations and CUDA graphs).
 - Supported context: ``max_position_embeddings``, or ``factor × original_max_position_embeddings`` for YaRN /
   linear rope scaling when larger (the YaRN convention vLLM also follows). A context beyond it is an error.
-- The optional EAGLE-3 drafter follows :meth:`serving.drafter.DrafterConfig.from_target`: one layer whose kv
-  heads are the target's (all attention heads for MLA targets, with ``head_dim = v_head_dim``).
+- The optional EAGLE-3 drafter follows :meth:`serving.models.drafter.DrafterConfig.from_target`: one layer whose kv
+  heads are the target's (all attention heads for MLA targets, with ``head_dim = v_head_dim``), reading the
+  target layers :func:`serving.models.target.default_aux_layers` picks (the rule training and serving use).
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from eyas.command import Command
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "models"
 KV_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
@@ -316,7 +320,7 @@ def supported_context(cfg: dict[str, Any], shape: ModelShape) -> ContextLimit:
 # -- the plan ----------------------------------------------------------------------------------------------------
 @dataclass
 class PlanConfig:
-    """Inputs of :func:`plan` (also the ``key=value`` arguments of ``python -m eyas.eval.plan``)."""
+    """Inputs of :func:`plan` (the ``plan`` key of ``eyas plan``: ``plan.model=kimi_k2``)."""
 
     model: str = "smollm2_135m"
     """Preset name in conf/models/, or a config.json file or model directory."""
@@ -342,7 +346,7 @@ class PlanConfig:
     """Check that sequences of this many tokens fit (and how many at once)."""
     concurrency: int = 1
     """Sequences of ``context`` tokens to hold at once."""
-    drafter: bool = False
+    with_drafter: bool = False
     """Add an EAGLE-3 drafter (weights and its own KV cache) as eyas exports it."""
     draft_vocab_size: int = 32000
     """Draft vocabulary of that drafter."""
@@ -392,6 +396,8 @@ class PlanResult:
     parallel: dict[str, int]
     drafter_kv_bytes_per_token_per_gpu: float = 0.0
     drafter_weight_bytes_per_gpu: float = 0.0
+    drafter_aux_layers: list[int] | None = None
+    """The target layers the drafter reads (``with_drafter``)."""
     context: int | None = None
     max_concurrency: int | None = None
     """Sequences of ``context`` tokens the deployment holds at once."""
@@ -417,7 +423,8 @@ class PlanResult:
                 (
                     "EAGLE-3 drafter per GPU",
                     f"{self.drafter_weight_bytes_per_gpu / GIB:,.2f} GiB weights, "
-                    f"{self.drafter_kv_bytes_per_token_per_gpu / KIB:,.2f} KiB KV per token",
+                    f"{self.drafter_kv_bytes_per_token_per_gpu / KIB:,.2f} KiB KV per token, reads target "
+                    f"layers {self.drafter_aux_layers}",
                 )
             )
         rows += [
@@ -535,12 +542,11 @@ def plan_from(pc: PlanConfig, cfg: dict[str, Any], name: str) -> PlanResult:
         )
 
     # optional EAGLE-3 drafter: its own weights and one layer of KV with the target's kv heads
-    d_w = d_kv = 0.0
-    if pc.drafter:
-        d_w, d_kv = _drafter_costs(cfg, s, pc, attn_tp, tp, kv_b)
-        per_gpu_w += d_w
-        stored += d_kv
-        stored_full += d_kv
+    d = _drafter_costs(cfg, s, pc, attn_tp, tp, kv_b) if pc.with_drafter else None
+    if d is not None:
+        per_gpu_w += d.weight_bytes_per_gpu
+        stored += d.kv_bytes_per_token_per_gpu
+        stored_full += d.kv_bytes_per_token_per_gpu
         avg_gpu = stored / pc.dp_attention
 
     budget = pc.gpu_mem_gib * GIB * pc.mem_fraction - pc.reserve_gib * GIB
@@ -577,8 +583,9 @@ def plan_from(pc: PlanConfig, cfg: dict[str, Any], name: str) -> PlanResult:
             "dp_attention": pc.dp_attention,
             "replicas": replicas,
         },
-        drafter_kv_bytes_per_token_per_gpu=d_kv,
-        drafter_weight_bytes_per_gpu=d_w,
+        drafter_kv_bytes_per_token_per_gpu=d.kv_bytes_per_token_per_gpu if d else 0.0,
+        drafter_weight_bytes_per_gpu=d.weight_bytes_per_gpu if d else 0.0,
+        drafter_aux_layers=d.aux_layers if d else None,
         notes=notes,
     )
     if s.sliding_layers:
@@ -606,22 +613,33 @@ def _longest_sequence(kv_mem: float, full: float, swa: float, window: int | None
     return int((kv_mem - window * swa) // full) if full else sys.maxsize
 
 
+@dataclass
+class DrafterCosts:
+    """What an EAGLE-3 drafter for the target costs, as eyas exports it."""
+
+    aux_layers: list[int]
+    """The target layers it reads (:func:`serving.models.target.default_aux_layers`)."""
+    weight_bytes_per_gpu: float
+    kv_bytes_per_token_per_gpu: float
+
+
 def _drafter_costs(
     cfg: dict, s: ModelShape, pc: PlanConfig, attn_tp: int, tp: int, kv_b: int
-) -> tuple[float, float]:
-    """(weight bytes per GPU, KV bytes per token per GPU) of an EAGLE-3 drafter for this target."""
+) -> DrafterCosts:
+    """An EAGLE-3 drafter for this target: the layers it reads, its weights and its KV per GPU."""
     from types import SimpleNamespace
 
     from eyas.serving.models.drafter import DrafterConfig
+    from eyas.serving.models.target import default_aux_layers
 
-    aux = [1, s.num_layers // 2 - 1, s.num_layers - 4] if s.num_layers >= 8 else [0, 1, 2]
+    aux = default_aux_layers(s.num_layers)  # the one rule: what a drafter trained and served for it reads
     d = DrafterConfig.from_target(SimpleNamespace(**cfg), aux, min(pc.draft_vocab_size, s.vocab_size))
     h, q, kv = d.hidden_size, d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     n = d.fc_in_features * h + 2 * h * (q + 2 * kv) + q * h + 3 * h * d.intermediate_size
     n += d.draft_vocab_size * h + 4 * h
     w = n * 2.0 / tp  # bf16; SGLang shards the drafter over the same TP group
     kv_heads = max(1, d.num_key_value_heads // attn_tp)
-    return w, float(2 * kv_heads * d.head_dim * kv_b)
+    return DrafterCosts(aux, w, float(2 * kv_heads * d.head_dim * kv_b))
 
 
 # -- entry point -------------------------------------------------------------------------------------------------
@@ -633,28 +651,17 @@ def run(pc: PlanConfig) -> int:
     return 0 if result.fits else 1
 
 
-def main() -> None:
-    """``python -m eyas.eval.plan key=value ...`` (the :class:`PlanConfig` fields; a Hydra app, config
-    ``eyas_plan``); exit status 2 for settings it cannot work with."""
-    from dataclasses import asdict
-
-    import hydra
-    from hydra.core.config_store import ConfigStore
-
-    from eyas.common import build_config
-
-    ConfigStore.instance().store(name="eyas_plan", node=asdict(PlanConfig()))
-
-    @hydra.main(config_path="pkg://eyas.conf", config_name="eyas_plan", version_base="1.3")
-    def _app(cfg) -> None:
-        try:
-            code = run(build_config(PlanConfig, cfg))
-        except ValueError as e:  # PlanError, ConfigError: the message says what to change
-            print(f"error: {e}", file=sys.stderr)
-            code = 2
-        raise SystemExit(code)
-
-    _app()
+# plan's settings were top-level keys
+COMMAND = Command(
+    "plan",
+    "eyas.eval.plan",
+    "plan",
+    PlanConfig,
+    run,
+    key="plan",
+    renamed={f.name: f"plan.{f.name}" for f in fields(PlanConfig)} | {"drafter": "plan.with_drafter"},
+)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

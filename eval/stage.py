@@ -1,6 +1,6 @@
 """The evaluation stage: an exported drafter (the directory a user ships) against prompt lookup and plain decoding.
 
-``python -m eyas.eval eval.checkpoint=<exported drafter dir>``; the pipeline calls :func:`run` with its own export.
+``python -m eyas.eval eval.export_dir=<exported drafter dir>``; the pipeline calls :func:`run` with its own export.
 τ per prompt set and draft position, tokens/s, step time against context, a report with plots under
 ``<work_dir>/eval/<hash>`` (the hash of the export, the settings and the target).
 """
@@ -65,9 +65,10 @@ class EvalStageConfig:
     CPU ~1.9x, compute-bound); float32 otherwise. ``auto`` elsewhere: the loaded target's dtype and attention
     (bf16 on GPU, where near-tie divergence is expected). Or ``bfloat16``, ``float16``, ``float32``, ``target``
     (the loaded target's, whatever it is), with the target's attention."""
-    checkpoint: str | None = None
-    """``python -m eyas.eval``: the drafter to evaluate, normally the exported directory (SGLang/vLLM format) a user
-    ships; any directory :func:`serving.drafters.load_drafter` reads. The pipeline sets its own."""
+    export_dir: str | None = None
+    """``python -m eyas.eval``: the exported drafter to evaluate (``eyas export``'s SGLang/vLLM directory, what a
+    user ships); the bundled loop also reads a trainer checkpoint (:func:`serving.load.load_drafter`). The
+    pipeline sets its own."""
     engine: EngineName = "bundled"
     """``bundled``: eyas's own serving loop only. ``vllm`` / ``sglang``: also measure the same prompts inside that
     engine (:mod:`eval.engine`; started from ``make vllm``'s venv unless ``server_url`` is given)."""
@@ -171,7 +172,7 @@ def run(
     command: str = "",
     title: str = "eyas: acceptance of an exported drafter",
 ) -> EvalResult:
-    """Evaluate the export ``job.eval.checkpoint`` on the target (loaded unless given) with the bundled loop and,
+    """Evaluate the export ``job.eval.export_dir`` on the target (loaded unless given) with the bundled loop and,
     if ``eval.engine`` names one, inside that serving engine on the same prompts; ``extra``: facts of earlier
     stages for the report."""
     from eyas.eval.prompts import load_prompt_ids
@@ -181,19 +182,19 @@ def run(
 
     ecfg = job.eval
     engine_only = ecfg.engine != "bundled" and not ecfg.bundled
-    if not ecfg.checkpoint and not (engine_only and ecfg.server_url):
+    if not ecfg.export_dir and not (engine_only and ecfg.server_url):
         raise ConfigError(
-            "eval.checkpoint is not set: give the exported drafter directory, eval.checkpoint=<dir>"
+            "eval.export_dir is not set: give the exported drafter directory, eval.export_dir=<dir>"
         )
     if job.threads:
         torch.set_num_threads(job.threads)
     if target is None and not engine_only:
-        target = load_target(with_drafter_aux_layers(job.target, ecfg.checkpoint))
+        target = load_target(with_drafter_aux_layers(job.target, ecfg.export_dir))
     numerics = None
     if target is not None:
         target, numerics = ecfg.numerics(target)
         log.info("evaluation numerics: %s", numerics)
-    export_dir = Path(ecfg.checkpoint) if ecfg.checkpoint else None
+    export_dir = Path(ecfg.export_dir) if ecfg.export_dir else None
     t0 = time.perf_counter()
     out = (
         Path(job.work_dir)
@@ -201,7 +202,7 @@ def run(
         / json_hash(
             {
                 "export": str(export_dir.resolve()) if export_dir else None,
-                "eval": {**asdict(ecfg), "checkpoint": None},
+                "eval": {**asdict(ecfg), "export_dir": None},
                 "target": target.info.to_dict() if target is not None else asdict(job.target),
                 "dtype": str(target.dtype) if target is not None else None,
                 "attention": target.attention if target is not None else None,

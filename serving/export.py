@@ -51,13 +51,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.command import Command
 from eyas.common import (
     ConfigError,
     InputError,
     atomic_write_bytes,
     base_config,
     ensure_out_dir,
-    exit_on_config_error,
 )
 from eyas.serving.load import SGLANG_ARCH, DrafterLoadError, export_format
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, rope_parameters_of
@@ -953,22 +953,16 @@ def run(job: ExportJob, target=None) -> dict[str, Any]:
     return {**describe_export(e.out_dir), "round_trip_max_abs_logit_diff": err}
 
 
-def main() -> None:
+def export_command(job: ExportJob) -> None:
     """``python -m eyas.serving.export export.checkpoint=<dir> export.out_dir=<dir> [export.fmt=speculators] target=...``:
     export a trainer checkpoint for SGLang / vLLM, then load it back and check it reproduces the checkpoint."""
-    import hydra
+    res = run(job)
+    print(json.dumps(res, indent=1, default=str))
+    print_serving(res.get("serve"))
 
-    @hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
-    @exit_on_config_error
-    def _app(cfg) -> None:
-        from eyas.common import load_job
 
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        res = run(load_job(cfg, ExportJob))
-        print(json.dumps(res, indent=1, default=str))
-        print_serving(res.get("serve"))
-
-    _app()
+COMMAND = Command("export", "eyas.serving.export", "config", ExportJob, export_command)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

@@ -104,8 +104,8 @@ def spec_path(spec: str, runs_dir: str | Path = "runs") -> Path:
     found = find_drafter(runs_dir)
     if found is None:
         raise DrafterLoadError(
-            f"drafter=auto: no exported or trained drafter under {runs_dir}/; train and export one "
-            "(python -m eyas.train ...), point drafter= at a checkpoint, or use drafter=random"
+            f"export_dir=auto: no exported or trained drafter under {runs_dir}/; train and export one "
+            "(eyas train, eyas export), or point export_dir= at an export"
         )
     return found
 

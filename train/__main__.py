@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import logging
 
-import hydra
 from omegaconf import DictConfig
 
-from eyas.common import (
-    exit_on_config_error,
-    load_job,
-)
+from eyas.command import Command
+from eyas.common import load_job
 from eyas.train.config import TrainJob
 
 log = logging.getLogger(__name__)
@@ -34,12 +31,9 @@ def train_job(cfg: DictConfig) -> TrainJob:
     return load_job(cfg, TrainJob)
 
 
-@hydra.main(config_path="pkg://eyas.conf", config_name="config", version_base="1.3")
-@exit_on_config_error
-def main(cfg: DictConfig) -> None:
+def train(job: TrainJob) -> None:
     from eyas.train.setup import run
 
-    job = train_job(cfg)
     result = run(job)
     log.info(
         "training done: %d steps, best %s=%s at step %s, %s",
@@ -50,6 +44,9 @@ def main(cfg: DictConfig) -> None:
         result.output_dir,
     )
 
+
+COMMAND = Command("train", "eyas.train", "config", TrainJob, train)
+main = COMMAND.main
 
 if __name__ == "__main__":
     main()

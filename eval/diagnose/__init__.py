@@ -1,10 +1,10 @@
 """Diagnose a deployment's tokens/s, recommend its speculation settings, and plan its context length.
 
-``python -m eyas.eval.diagnose [diagnose=<preset>] key=value ...``  measure, explain, recommend (this package)
-``python -m eyas.eval.plan model=kimi_k2 gpu_mem_gib=141 ...``          memory plan (``eval.plan``)
+``eyas diagnose [diagnose=<preset>] diagnose.key=value ...``  measure, explain, recommend (this package)
+``eyas plan plan.model=kimi_k2 plan.gpu_mem_gib=141 ...``       memory plan (``eval.plan``)
 
 Presets are the Hydra group ``conf/diagnose/`` (``default``: a few minutes on the embedded target; ``smoke``;
-``gpu``). A run writes ``report.md``, ``results.json`` and plots to ``out_dir`` and exits with status 1 when a
+``gpu``). A run writes ``report.md``, ``results.json`` and plots to ``diagnose.out_dir`` and exits with status 1 when a
 cell is flagged, so CI can gate a serving change on it.
 
 At batch 1, tokens/s = τ ÷ (draft + verify + bookkeeping) (``eval.throughput``). Diagnose checks that

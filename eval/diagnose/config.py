@@ -36,17 +36,16 @@ def _default_sets() -> list[PromptSetSpec]:
 
 @dataclass
 class DiagnoseConfig:
-    """What ``measure`` runs (also the ``key=value`` arguments of ``python -m eyas.eval.diagnose``)."""
+    """What ``measure`` runs (the ``diagnose`` key of ``eyas diagnose``: ``diagnose.chain_length=6``)."""
 
-    target: TargetConfig = field(default_factory=TargetConfig)
-    """The target model (default: the embedded SmolLM2-135M-Instruct)."""
-    drafter: str | None = None
-    """EAGLE-3 drafter for the ``eagle3`` methods: ``random`` (untrained), ``auto`` (the newest drafter under
-    ``runs_dir``), an exported checkpoint directory, or a trainer checkpoint / ``best`` / output directory."""
+    export_dir: str | None = None
+    """The EAGLE-3 drafter of the ``eagle3`` methods: an exported drafter (``eyas export``'s directory; a trainer
+    checkpoint or run directory also loads), or ``auto`` (the newest drafter under ``runs_dir``); None: an
+    untrained drafter of the target's shape (τ ≈ 1, a trained one's step costs)."""
     draft_vocab_size: int = 32000
-    """Draft vocabulary of the ``random`` drafter."""
+    """Draft vocabulary of the untrained drafter."""
     runs_dir: str = "runs"
-    """Where ``drafter=auto`` looks."""
+    """Where ``export_dir=auto`` looks."""
     methods: list[str] = field(default_factory=lambda: ["eagle3-chain", "prompt-lookup"])
     """Any of ``eagle3-chain``, ``eagle3-tree`` (one method per entry of ``trees``), ``prompt-lookup``, ``none``."""
     chain_length: int = 4
@@ -99,37 +98,44 @@ class DiagnoseConfig:
     measured there instead of this run's τ held constant (which the report shows alongside)."""
 
     def __post_init__(self) -> None:
+        if (
+            self.export_dir == "random"
+        ):  # load_drafter's name for it: refused, so a directory is never taken for it
+            raise DiagnoseError(
+                "diagnose.export_dir=random: leave diagnose.export_dir null for an untrained drafter"
+            )
         if self.chain_length <= 0:
-            raise DiagnoseError(f"chain_length (K) must be >= 1, got {self.chain_length}")
+            raise DiagnoseError(f"diagnose.chain_length (K) must be >= 1, got {self.chain_length}")
         if self.k_max is not None and self.k_max <= 0:
-            raise DiagnoseError(f"k_max (K) must be >= 1, got {self.k_max}")
+            raise DiagnoseError(f"diagnose.k_max (K) must be >= 1, got {self.k_max}")
         if self.k_max is not None and self.k_max > self.chain_length and not self.extrapolate:
             raise DiagnoseError(
-                f"k_max={self.k_max} exceeds the measured chain_length={self.chain_length}: acceptance beyond "
-                f"position {self.chain_length} would not be measured. Raise chain_length, or set extrapolate=true"
+                f"diagnose.k_max={self.k_max} exceeds the measured diagnose.chain_length={self.chain_length}: "
+                f"acceptance beyond position {self.chain_length} would not be measured. Raise chain_length, or set "
+                "diagnose.extrapolate=true"
             )
         if not self.methods:
-            raise DiagnoseError(f"methods is empty; choose from {METHODS}")
+            raise DiagnoseError(f"diagnose.methods is empty; choose from {METHODS}")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
-            raise DiagnoseError(f"unknown methods {unknown}; choose from {METHODS}")
+            raise DiagnoseError(f"diagnose.methods: unknown methods {unknown}; choose from {METHODS}")
         if "eagle3-tree" in self.methods and not self.trees:
             raise DiagnoseError(
-                "method eagle3-tree needs tree shapes: trees=[{topk: 4, depth: 5, total_tokens: 24}]"
+                "method eagle3-tree needs tree shapes: diagnose.trees=[{topk: 4, depth: 5, total_tokens: 24}]"
             )
         self.trees = [TreeConfig(**t) if isinstance(t, dict) else t for t in self.trees]
         if not self.contexts or min(self.contexts) < 1:
-            raise DiagnoseError(f"contexts must be positive token counts, got {self.contexts}")
+            raise DiagnoseError(f"diagnose.contexts must be positive token counts, got {self.contexts}")
         self.contexts = sorted(set(int(c) for c in self.contexts))
         if not self.prompt_sets:
-            raise DiagnoseError("prompt_sets is empty: give at least one prompt set")
+            raise DiagnoseError("diagnose.prompt_sets is empty: give at least one prompt set")
         self.prompt_sets = [PromptSetSpec(**s) if isinstance(s, dict) else s for s in self.prompt_sets]
         names = [s.name for s in self.prompt_sets]
         if len(set(names)) != len(names):
-            raise DiagnoseError(f"prompt set names must be distinct, got {names}")
+            raise DiagnoseError(f"diagnose.prompt_sets: names must be distinct, got {names}")
         for name in ("prompts_per_set", "max_new_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise DiagnoseError(f"{name} must be >= 1")
+                raise DiagnoseError(f"diagnose.{name} must be >= 1")
         if self.prompts_per_set is not None or self.max_new_tokens is not None:
             self.prompt_sets = [
                 PromptSetSpec(
@@ -142,17 +148,19 @@ class DiagnoseConfig:
                 for s in self.prompt_sets
             ]
         if self.rounds < 1 or self.profile_repeats < 1:
-            raise DiagnoseError("rounds and profile_repeats must be >= 1")
+            raise DiagnoseError("diagnose.rounds and diagnose.profile_repeats must be >= 1")
         if self.tolerance < 0 or self.n_sigma < 0:
-            raise DiagnoseError("tolerance and n_sigma must be >= 0")
+            raise DiagnoseError("diagnose.tolerance and diagnose.n_sigma must be >= 0")
         if any(not 0 < d <= 1 for d in self.better_acceptance):
-            raise DiagnoseError(f"better_acceptance holds increments in (0, 1], got {self.better_acceptance}")
+            raise DiagnoseError(
+                f"diagnose.better_acceptance holds increments in (0, 1], got {self.better_acceptance}"
+            )
         if self.statistic not in ("mean", "median", "min"):
-            raise DiagnoseError(f"statistic must be mean, median or min, not {self.statistic!r}")
+            raise DiagnoseError(f"diagnose.statistic must be mean, median or min, not {self.statistic!r}")
         SamplingConfig(self.temperature, self.top_p, self.seed)  # validates
         if self.tau_context is not None and not Path(self.tau_context).exists():
             raise DiagnoseError(
-                f"tau_context={self.tau_context}: no such file (write it with `eyas context`)"
+                f"diagnose.tau_context={self.tau_context}: no such file (write it with `eyas context`)"
             )
 
     @property
@@ -166,6 +174,20 @@ class DiagnoseConfig:
     @property
     def uses_drafter(self) -> bool:
         return any(m.startswith("eagle3") for m in self.methods)
+
+    @property
+    def drafter_spec(self) -> str:
+        """The drafter as :func:`serving.load.load_drafter` names it (``random`` for an untrained one)."""
+        return self.export_dir or "random"
+
+
+@dataclass
+class DiagnoseJob:
+    """What ``eyas diagnose`` runs (:func:`eval.diagnose.run.run`): the target and the diagnosis."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    """The target model (default: the embedded SmolLM2-135M-Instruct)."""
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
 
 
 def method_specs(cfg: DiagnoseConfig) -> list[MethodSpec]:

@@ -163,7 +163,7 @@ def measure(
     specs = method_specs(cfg)
     if cfg.uses_drafter and drafter is None:
         raise DiagnoseError(
-            "the eagle3 methods need a drafter: set drafter=random, auto or a checkpoint path"
+            "the eagle3 methods need a drafter: diagnose.export_dir=<export> or auto (null: an untrained one)"
         )
     built = {s.name: (proposers or {}).get(s.name) or make_proposer(s, drafter) for s in specs}
     missing = [s.name for s in cfg.prompt_sets if s.name not in prompts]

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from eyas.eval.diagnose.analysis import DiagnoseResult, analyse
-from eyas.eval.diagnose.config import DiagnoseConfig
+from eyas.eval.diagnose.config import DiagnoseConfig, DiagnoseJob
 from eyas.eval.diagnose.context_prompts import ContextPrompts, build_prompts
 from eyas.eval.diagnose.measure import check_contexts, measure
 from eyas.eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_messages  # noqa: F401
@@ -43,8 +43,8 @@ def diagnose(
     proposers: dict[str, Proposer] | None = None,
 ) -> DiagnoseResult:
     """Measure, decompose, check and recommend (prompts built from ``cfg`` unless given)."""
-    if cfg.uses_drafter and drafter is None and cfg.drafter is not None:
-        drafter = load_drafter(cfg.drafter, target, cfg.draft_vocab_size, cfg.seed, cfg.runs_dir)
+    if cfg.uses_drafter and drafter is None:
+        drafter = load_drafter(cfg.drafter_spec, target, cfg.draft_vocab_size, cfg.seed, cfg.runs_dir)
     source = (
         drafter.source if isinstance(drafter, LoadedDrafter) else ("given" if drafter is not None else None)
     )
@@ -62,18 +62,19 @@ def diagnose(
     return result
 
 
-def run(cfg: DiagnoseConfig, command: str = "") -> int:
+def run(job: DiagnoseJob, command: str = "") -> int:
     """The command: load the target, diagnose, write the report; 1 when a cell is flagged (CI can gate on it)."""
     import torch
 
     from eyas.eval.diagnose.report import print_summary, write_report
     from eyas.serving.models.target import load_target
 
+    cfg = job.diagnose
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    # the drafter names the target layers it reads (serving.drafters.with_drafter_aux_layers)
-    drafter = cfg.drafter if cfg.uses_drafter else None
-    result = diagnose(load_target(with_drafter_aux_layers(cfg.target, drafter, cfg.runs_dir)), cfg)
+    # the drafter names the target layers it reads (serving.load.with_drafter_aux_layers)
+    drafter = cfg.drafter_spec if cfg.uses_drafter else None
+    result = diagnose(load_target(with_drafter_aux_layers(job.target, drafter, cfg.runs_dir)), cfg)
     path = write_report(result, cfg.out_dir, command or None)
     print_summary(result, path)
     return 1 if result.flagged else 0

@@ -24,16 +24,38 @@ import logging
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from eyas.common import exit_on_config_error
+from eyas.command import command_line
+from eyas.data.store import StoreOptions
+from eyas.pipeline import PipelineJob, pipeline_command
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchConfig:
+    """What the benchmark adds to the pipeline (``bench`` in ``conf/bench.yaml``)."""
+
+    out: str = "BENCH.md"
+    """The report written."""
+    ablation: bool = False
+    """Also train on another store (``ablation_store``) and compare τ at its bytes per token."""
+    ablation_store: StoreOptions = field(default_factory=StoreOptions)
+    """The store layout of the ablation."""
+    train_bench_args: list[str] = field(default_factory=list)
+    """Overrides of ``python -m eyas.lab.bench_train`` (``bench_train.threads=2``)."""
+    extract_bench_args: list[str] = field(default_factory=list)
+    """Overrides of ``python -m eyas.lab.bench_extract``."""
+
+
+@dataclass
+class BenchJob(PipelineJob):
+    """The pipeline's job and the benchmark's own settings."""
+
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 def _run_json(args: list[str], out: Path) -> dict[str, Any] | None:
@@ -49,32 +71,22 @@ def _run_json(args: list[str], out: Path) -> dict[str, Any] | None:
     return json.loads(out.read_text())
 
 
-def _ablation(cfg: DictConfig, pipe, work_dir: Path) -> dict[str, Any] | None:
+def _ablation(job: BenchJob, work_dir: Path) -> dict[str, Any] | None:
     """Train the same recipe on a compact store and evaluate it on the same prompts."""
-    from eyas.common import build_config
-    from eyas.data.store import StoreOptions
-    from eyas.pipeline import (
-        pipeline_job,
-        stage_eval,
-        stage_export,
-        stage_extract,
-        stage_prepare,
-        stage_train,
-    )
+    from eyas.pipeline import stage_eval, stage_export, stage_extract, stage_prepare, stage_train
     from eyas.serving.models.target import load_target
 
-    job = pipeline_job(cfg)
-    ab = OmegaConf.to_container(cfg.bench.ablation_store, resolve=True)
+    ab = job.bench.ablation_store
     target = load_target(job.target)
     prep, _ = stage_prepare(job.prepare, target, job.target)
-    ecfg = replace(job.extract.settings(), store=build_config(StoreOptions, ab, "bench.ablation_store"))
+    ecfg = replace(job.extract.settings(), store=ab)
     store_dir, rec_x = stage_extract(prep, ecfg, target, work_dir)
     train_res, rec_t = stage_train(store_dir, job.drafter, job.train, target, work_dir, job.target)
     export_dir, _ = stage_export(train_res, target, work_dir)
     vcfg = replace(job.eval, methods=["eagle3-chain"], profile=None)
     acc, _, report, _ = stage_eval(export_dir, vcfg, target, work_dir, {}, "ablation")
     return {
-        "store": ab,
+        "store": ab.to_dict(),
         "bytes_per_token": rec_x.facts["bytes_per_token"],
         "ratio_to_4H_bf16": rec_x.facts["ratio_to_4H_bf16"],
         "tau": {r.prompt_set: r.tau for r in acc.results},
@@ -161,24 +173,20 @@ def write_bench_md(
     path.write_text("\n".join(lines))
 
 
-@hydra.main(config_path="pkg://eyas.conf", config_name="bench", version_base="1.3")
-@exit_on_config_error
-def main(cfg: DictConfig) -> None:
+def bench(job: BenchJob) -> None:
     from eyas.pipeline import run_pipeline
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    command = "python -m eyas.lab.bench " + " ".join(sys.argv[1:])
-    b = OmegaConf.to_container(cfg.bench, resolve=True)
-    work_dir = Path(cfg.work_dir)
-    pipe = run_pipeline(cfg)
+    command = command_line(COMMAND)
+    b = job.bench
+    pipe = run_pipeline(job, command)
     out_dir = Path(pipe.report).parent
-    train_bench = _run_json(["eyas.lab.bench_train", *b["train_bench_args"]], out_dir / "bench_train.json")
+    train_bench = _run_json(["eyas.lab.bench_train", *b.train_bench_args], out_dir / "bench_train.json")
     extract_bench = _run_json(
-        ["eyas.lab.bench_extract", *b["extract_bench_args"]], out_dir / "bench_extract.json"
+        ["eyas.lab.bench_extract", *b.extract_bench_args], out_dir / "bench_extract.json"
     )
-    ablation = _ablation(cfg, pipe, work_dir) if b["ablation"] else None
-    path = Path(b["out"])
+    ablation = _ablation(job, Path(job.work_dir)) if b.ablation else None
+    path = Path(b.out)
     write_bench_md(path, pipe, train_bench, extract_bench, ablation, command, time.perf_counter() - t0)
     (out_dir / "bench.json").write_text(
         json.dumps(
@@ -188,6 +196,10 @@ def main(cfg: DictConfig) -> None:
         )
     )
     print(f"wrote {path}")
+
+
+COMMAND = pipeline_command("bench", "eyas.lab.bench", "bench", BenchJob, bench)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eyas.command import Command
+
 
 @dataclass
 class BenchContextConfig:
@@ -103,12 +105,6 @@ def steps_for_budget(store, loader: dict[str, Any], budget: int) -> tuple[int, i
                 break
         epoch += 1
     return steps, tokens
-
-
-def main() -> None:
-    from eyas.common import typed_command
-
-    typed_command("bench_context", BenchContextConfig, run)
 
 
 def run(args: BenchContextConfig) -> dict[str, Any]:
@@ -201,6 +197,12 @@ def run(args: BenchContextConfig) -> dict[str, Any]:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"summary: {out / 'summary.json'}")
     return summary
+
+
+COMMAND = Command(
+    "bench_context", "eyas.lab.bench_context", "bench_context", BenchContextConfig, run, key="bench_context"
+)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.command import Command
 from eyas.data.extract import ExtractConfig, extract
 from eyas.data.extract_speed import bare_forward, timed
 from eyas.data.store import NAMED_OPTIONS, bytes_per_token
@@ -82,12 +83,6 @@ def make_samples(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> l
             )
         )
     return out
-
-
-def main() -> None:
-    from eyas.common import typed_command
-
-    typed_command("bench_extract", BenchExtractConfig, run)
 
 
 def run(args: BenchExtractConfig, argv: list[str] | None = None) -> list[dict]:
@@ -159,6 +154,12 @@ def run(args: BenchExtractConfig, argv: list[str] | None = None) -> list[dict]:
     if args.out:
         Path(args.out).write_text(json.dumps({"command": cmd, "tokens": tokens, "results": rows}, indent=1))
     return rows
+
+
+COMMAND = Command(
+    "bench_extract", "eyas.lab.bench_extract", "bench_extract", BenchExtractConfig, run, key="bench_extract"
+)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

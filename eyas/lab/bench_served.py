@@ -1,4 +1,4 @@
-"""Where served chains start: ``python -m eyas.lab.bench_served bench_served.checkpoint=<export>``.
+"""Where served chains start: ``python -m eyas.lab.bench_served bench_served.export_dir=<export>``.
 
 The trainer reports simulated acceptance (τ_sim) from one teacher-forced unroll over held-out data, scoring
 *every* row as if a chain started there. Greedy chain decoding starts a chain only where the previous one ended:
@@ -33,13 +33,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.command import Command
+
 
 @dataclass
 class BenchServedConfig:
     """``python -m eyas.lab.bench_served`` (``bench_served`` in ``conf/bench_served.yaml``)."""
 
-    checkpoint: str = "auto"
-    """The drafter: an export, a trainer checkpoint or run directory, or ``auto`` (the newest under ``runs/``)."""
+    export_dir: str = "auto"
+    """The exported drafter (a trainer checkpoint or run directory also loads), or ``auto`` (the newest drafter
+    under ``runs/``)."""
     source: str = "reasoning_gym"
     """Prompt source (what ``eval.prompt_sets[].source`` takes); the default is the bench's hard reasoning."""
     n: int = 12
@@ -58,12 +61,6 @@ class BenchServedConfig:
         for name in ("n", "max_new_tokens", "chain_length", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"bench_served.{name} must be >= 1, got {getattr(self, name)}")
-
-
-def main() -> None:
-    from eyas.common import typed_command
-
-    typed_command("bench_served", BenchServedConfig, run)
 
 
 def _loop_counts(steps, start: int, length: int, k: int) -> tuple[list[int], list[int]]:
@@ -127,11 +124,11 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     k = args.chain_length
     t0 = time.perf_counter()
-    target = load_target(with_drafter_aux_layers(TargetConfig(), args.checkpoint))
+    target = load_target(with_drafter_aux_layers(TargetConfig(), args.export_dir))
     spec = PromptSetSpec("held-out", args.source, args.n, "", args.max_new_tokens)
     ecfg = EvalStageConfig(prompt_sets=[asdict(spec)], chain_length=k, dtype=args.dtype, profile=None)
     target, numerics = ecfg.numerics(target)
-    loaded = load_drafter(args.checkpoint, target)
+    loaded = load_drafter(args.export_dir, target)
     drafter = loaded.drafter
     prompts = load_prompt_ids(spec, target.tokenizer, args.seed)
     proposer = Eagle3Proposer(drafter, chain_length=k)
@@ -157,7 +154,7 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
     loop_est = simulated_acceptance(ChainCounts(lr, lh, lr, lh))
     every, served, loop = est.cond_acc, est.served_cond_acc, loop_est.cond_acc
     result = {
-        "checkpoint": loaded.source,
+        "drafter": loaded.source,
         "numerics": numerics,
         "prompts": len(prompts),
         "source": args.source,
@@ -192,6 +189,18 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
+
+
+COMMAND = Command(
+    "bench_served",
+    "eyas.lab.bench_served",
+    "bench_served",
+    BenchServedConfig,
+    run,
+    key="bench_served",
+    renamed={"bench_served.checkpoint": "bench_served.export_dir"},
+)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from eyas.command import Command
 from eyas.train.optim import OPTIMIZERS
 
 MODES = {
@@ -288,12 +289,6 @@ def run(args: BenchTrainConfig) -> list[dict[str, Any]]:
     return results
 
 
-def main() -> None:
-    from eyas.common import typed_command
-
-    typed_command("bench_train", BenchTrainConfig, run)
-
-
 def _write(args: BenchTrainConfig, results: list[dict[str, Any]]) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -319,6 +314,12 @@ def _train_runs(args: BenchTrainConfig, seq_len: int) -> list[dict[str, Any]]:
                     flush=True,
                 )
     return results
+
+
+COMMAND = Command(
+    "bench_train", "eyas.lab.bench_train", "bench_train", BenchTrainConfig, run, key="bench_train"
+)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

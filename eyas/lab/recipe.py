@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,8 +27,10 @@ from typing import Any
 
 import torch
 
-from eyas.common import build_config, exit_on_config_error, json_hash
+from eyas.command import command_line
+from eyas.common import build_config, json_hash
 from eyas.eval.acceptance import PromptSetSpec
+from eyas.pipeline import PipelineJob, pipeline_command
 from eyas.train.config import DraftModelConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,13 @@ class RecipeConfig:
 
 
 @dataclass
+class RecipeJob(PipelineJob):
+    """The pipeline's job (its data, and the base of every variant) and the study."""
+
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+
+
+@dataclass
 class VariantResult:
     variant: str
     seed: int
@@ -133,26 +141,17 @@ def format_table(results: list[VariantResult], chain_length: int) -> str:
     )
 
 
-def run_recipe(cfg) -> list[VariantResult]:
+def run_recipe(job: RecipeJob, command: str = "python -m eyas.lab.recipe") -> list[VariantResult]:
     """Prepare and extract once, then train, export and evaluate every variant (see the module docstring)."""
     from eyas.eval.stage import EvalStageConfig
-    from eyas.pipeline import (
-        pipeline_job,
-        stage_eval,
-        stage_export,
-        stage_extract,
-        stage_prepare,
-        stage_train,
-    )
+    from eyas.pipeline import stage_eval, stage_export, stage_extract, stage_prepare, stage_train
     from eyas.serving.models.target import load_target
 
     os.environ.setdefault("WANDB_SILENT", "true")
-    job = pipeline_job(cfg)
-    rc = build_config(RecipeConfig, cfg.recipe, "recipe")
+    rc = job.recipe
     work_dir = Path(job.work_dir)
     if job.threads:
         torch.set_num_threads(job.threads)
-    command = "python -m eyas.lab.recipe " + " ".join(sys.argv[1:])
     # every run's configs first: a bad override stops the study here, not after hours of prepare and extract
     runs = [
         (v, seed, *variant_configs(v, job.drafter, job.train, seed))
@@ -223,16 +222,12 @@ def run_recipe(cfg) -> list[VariantResult]:
     return results
 
 
-def main() -> None:
-    import hydra
+def recipe(job: RecipeJob) -> None:
+    run_recipe(job, command_line(COMMAND))
 
-    @hydra.main(config_path="pkg://eyas.conf", config_name="recipe", version_base="1.3")
-    @exit_on_config_error
-    def _main(cfg) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        run_recipe(cfg)
 
-    _main()
+COMMAND = pipeline_command("recipe", "eyas.lab.recipe", "recipe", RecipeJob, recipe)
+main = COMMAND.main
 
 
 if __name__ == "__main__":

@@ -160,15 +160,13 @@ def test_a_command_ends_with_the_one_line_error(module, override, message, capsy
 
 @pytest.mark.parametrize("preset", ["default", "smoke", "gpu"])
 def test_every_diagnose_preset_builds_its_config(preset):
-    from hydra import initialize_config_module
+    from eyas.command import dry_run
+    from eyas.eval.diagnose.__main__ import COMMAND
 
-    from eyas.eval.diagnose.__main__ import CONFIG_NAME, diagnose_config
-
-    with initialize_config_module("eyas.conf", version_base="1.3"):
-        cfg = diagnose_config(compose(CONFIG_NAME, [f"diagnose={preset}"]))
-        with pytest.raises(ConfigError, match=r"^rounds: expected int, got 'many'$"):
-            diagnose_config(compose(CONFIG_NAME, [f"diagnose={preset}", "rounds=many"]))
-    assert cfg.methods and cfg.target.path
+    job = dry_run(COMMAND, [f"diagnose={preset}"])
+    with pytest.raises(ConfigError, match=r"^diagnose.rounds: expected int, got 'many'$"):
+        dry_run(COMMAND, [f"diagnose={preset}", "diagnose.rounds=many"])
+    assert job.diagnose.methods and job.target.path
 
 
 @pytest.mark.parametrize(
@@ -176,7 +174,7 @@ def test_every_diagnose_preset_builds_its_config(preset):
     [
         ("eyas.data.extract", "extract.samples is not set"),
         ("eyas.serving.export", "export.checkpoint is not set"),
-        ("eyas.eval.__main__", "eval.checkpoint is not set"),
+        ("eyas.eval.__main__", "eval.export_dir is not set"),
     ],
 )
 def test_a_command_names_the_setting_it_still_needs(module, message, capsys, monkeypatch, tmp_path):

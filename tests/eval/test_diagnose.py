@@ -10,10 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hydra.errors import MissingConfigException
 
 from eyas.eval.acceptance import PromptSetSpec
-from eyas.eval.diagnose.__main__ import CONFIG_NAME, diagnose_config, main
+from eyas.eval.diagnose.__main__ import COMMAND, main
 from eyas.eval.diagnose.config import DiagnoseConfig, DiagnoseError
 from eyas.eval.diagnose.context_prompts import ContextPrompts, prompts_from_ids
 from eyas.eval.diagnose.measure import check_contexts
@@ -190,14 +189,15 @@ def test_noise_widens_the_threshold():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"chain_length": 0}, r"chain_length \(K\) must be >= 1"),
-        ({"k_max": -1}, r"k_max \(K\) must be >= 1"),
-        ({"chain_length": 3, "k_max": 6}, "exceeds the measured chain_length"),
-        ({"methods": ["medusa"]}, "unknown methods"),
-        ({"methods": []}, "methods is empty"),
-        ({"methods": ["eagle3-tree"]}, "needs tree shapes"),
-        ({"prompt_sets": []}, "prompt_sets is empty"),
-        ({"contexts": [0]}, "positive"),
+        ({"chain_length": 0}, r"^diagnose.chain_length \(K\) must be >= 1"),
+        ({"k_max": -1}, r"^diagnose.k_max \(K\) must be >= 1"),
+        ({"chain_length": 3, "k_max": 6}, "exceeds the measured diagnose.chain_length"),
+        ({"methods": ["medusa"]}, "^diagnose.methods: unknown methods"),
+        ({"methods": []}, "^diagnose.methods is empty"),
+        ({"methods": ["eagle3-tree"]}, "needs tree shapes: diagnose.trees="),
+        ({"prompt_sets": []}, "^diagnose.prompt_sets is empty"),
+        ({"contexts": [0]}, "^diagnose.contexts must be positive"),
+        ({"export_dir": "random"}, "^diagnose.export_dir=random: leave diagnose.export_dir null"),
     ],
 )
 def test_bad_settings_name_the_problem(kw, match):
@@ -220,41 +220,27 @@ def test_empty_prompt_set_and_context_over_the_limit():
 
 
 def test_entry_point_config_and_plan(tmp_path, capsys, monkeypatch):
-    from hydra import compose, initialize_config_module
+    from hydra.errors import MissingConfigException
 
+    from eyas.command import dry_run
     from eyas.eval.plan import main as plan_main
     from tests.conftest import run_app
 
-    with initialize_config_module("eyas.conf", version_base="1.3"):
-        cfg = diagnose_config(compose(CONFIG_NAME, ["diagnose=smoke", "chain_length=5", "contexts=[32,64]"]))
-        assert cfg.chain_length == 5 and cfg.contexts == [32, 64] and cfg.methods == ["prompt-lookup"]
-        with pytest.raises(MissingConfigException, match="diagnose/nope"):
-            compose(CONFIG_NAME, ["diagnose=nope"])
-    assert run_app(main, ["chain_length=0"], monkeypatch, tmp_path) == 2
+    job = dry_run(COMMAND, ["diagnose=smoke", "diagnose.chain_length=5", "diagnose.contexts=[32,64]"])
+    cfg = job.diagnose
+    assert cfg.chain_length == 5 and cfg.contexts == [32, 64] and cfg.methods == ["prompt-lookup"]
+    with pytest.raises(MissingConfigException, match="diagnose/nope"):
+        dry_run(COMMAND, ["diagnose=nope"])
+    assert run_app(main, ["diagnose.chain_length=0"], monkeypatch, tmp_path) == 2
     assert "chain_length (K) must be >= 1" in capsys.readouterr().err
     # plan is eval.plan: KV per token of an MLA model, the limit when a context is impossible, missing fields
-    assert (
-        run_app(
-            plan_main,
-            ["model=kimi_k2", "gpu_mem_gib=141", "num_gpus=8", "dp_attention=8"],
-            monkeypatch,
-            tmp_path,
-        )
-        == 0
-    )
+    kimi = ["plan.model=kimi_k2", "plan.gpu_mem_gib=141", "plan.num_gpus=8"]
+    assert run_app(plan_main, [*kimi, "plan.dp_attention=8"], monkeypatch, tmp_path) == 0
     assert "68.62 KiB" in capsys.readouterr().out  # (512 + 64) × 61 layers × 2 bytes = 70272 B
-    assert (
-        run_app(
-            plan_main,
-            ["model=kimi_k2", "gpu_mem_gib=141", "num_gpus=8", "context=1000000"],
-            monkeypatch,
-            tmp_path,
-        )
-        == 2
-    )
+    assert run_app(plan_main, [*kimi, "plan.context=1000000"], monkeypatch, tmp_path) == 2
     assert "supported maximum of 262144" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
-    assert run_app(plan_main, [f"model={tmp_path}"], monkeypatch, tmp_path) == 2
+    assert run_app(plan_main, [f"plan.model={tmp_path}"], monkeypatch, tmp_path) == 2
     assert "num_hidden_layers" in capsys.readouterr().err
 
 

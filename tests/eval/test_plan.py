@@ -205,7 +205,7 @@ def test_parameter_count_of_other_moe_layouts(arch, extra):
 def test_drafter_kv_follows_the_exported_drafter():
     """An eyas drafter of an MLA target keeps all 64 heads as kv heads (head_dim = v_head_dim = 128)."""
     base = plan("kimi_k2", gpu_mem_gib=141, num_gpus=8)
-    with_d = plan("kimi_k2", gpu_mem_gib=141, num_gpus=8, drafter=True)
+    with_d = plan("kimi_k2", gpu_mem_gib=141, num_gpus=8, with_drafter=True)
     assert with_d.drafter_kv_bytes_per_token_per_gpu == 2 * (64 // 8) * 128 * 2
     assert with_d.kv_bytes_per_token_per_gpu == base.kv_bytes_per_token_per_gpu + 4096
     assert with_d.weight_bytes_per_gpu > base.weight_bytes_per_gpu
@@ -241,13 +241,13 @@ def test_smollm2_preset_matches_the_embedded_model():
 
 
 def test_cli_prints_the_table(capsys, monkeypatch, tmp_path):
-    argv = ["model=kimi_k2", "gpu_mem_gib=141", "num_gpus=8"]
-    assert run_app(main, [*argv, "dp_attention=8"], monkeypatch, tmp_path) == 0
+    argv = ["plan.model=kimi_k2", "plan.gpu_mem_gib=141", "plan.num_gpus=8"]
+    assert run_app(main, [*argv, "plan.dp_attention=8"], monkeypatch, tmp_path) == 0
     out = capsys.readouterr().out
     assert "68.62 KiB" in out and "8.58 KiB" in out
-    assert run_app(main, [*argv, "context=300000"], monkeypatch, tmp_path) == 2
+    assert run_app(main, [*argv, "plan.context=300000"], monkeypatch, tmp_path) == 2
     assert "supported maximum of 262144" in capsys.readouterr().err
-    assert run_app(main, [*argv, "+bogus=1"], monkeypatch, tmp_path) == 2
-    assert capsys.readouterr().err.startswith("error: bogus: unknown key")
-    assert run_app(main, [*argv, "gpu_mem_gib=lots"], monkeypatch, tmp_path) == 2
-    assert capsys.readouterr().err == "error: gpu_mem_gib: expected float, got 'lots'\n"
+    assert run_app(main, [*argv, "+plan.bogus=1"], monkeypatch, tmp_path) == 2
+    assert capsys.readouterr().err.startswith("error: plan.bogus: unknown key")
+    assert run_app(main, [*argv, "plan.gpu_mem_gib=lots"], monkeypatch, tmp_path) == 2
+    assert capsys.readouterr().err == "error: plan.gpu_mem_gib: expected float, got 'lots'\n"
