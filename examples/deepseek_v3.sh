@@ -78,7 +78,7 @@ run "$ACCELERATE" launch "${LAUNCH[@]}" -m eyas.train "${TARGET[@]}" train=gpu \
 if [ "$NODE_RANK" = 0 ]; then
   run "$EYAS" export "export.checkpoint=$WORK/train/best" "export.out_dir=$WORK/export" export.overwrite=true \
     "hydra.run.dir=$WORK/hydra/export"
-  run "$EYAS" eval eval=gpu "eval.checkpoint=$WORK/export" "work_dir=$WORK" "hydra.run.dir=$WORK/hydra/eval" \
+  run "$EYAS" eval eval=gpu "eval.export_dir=$WORK/export" "work_dir=$WORK" "hydra.run.dir=$WORK/hydra/eval" \
     "${EVAL[@]}"
   finish "$WORK/export (report under $WORK/eval)"
 fi

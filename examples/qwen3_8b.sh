@@ -48,5 +48,5 @@ run "$ACCELERATE" launch "${LAUNCH[@]}" -m eyas.train "${TARGET[@]}" train=gpu \
   "train.data.store_dir=$WORK/store" "train.output_dir=$WORK/train" "hydra.run.dir=$WORK/hydra/train" "${TRAIN[@]}"
 run "$EYAS" export "export.checkpoint=$WORK/train/best" "export.out_dir=$WORK/export" export.overwrite=true \
   "hydra.run.dir=$WORK/hydra/export"
-run "$EYAS" eval eval=gpu "eval.checkpoint=$WORK/export" "work_dir=$WORK" "hydra.run.dir=$WORK/hydra/eval" "${EVAL[@]}"
+run "$EYAS" eval eval=gpu "eval.export_dir=$WORK/export" "work_dir=$WORK" "hydra.run.dir=$WORK/hydra/eval" "${EVAL[@]}"
 finish "$WORK/export (report under $WORK/eval)"

@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ["prepare", "extract", "train", "export", "eval"]
@@ -43,22 +42,21 @@ def _commands(script: str, **env: str) -> list[tuple[str, list[str]]]:
 
 
 def _job(stage: str, overrides: list[str]):
-    from eyas.common import load_job
-    from eyas.data.extract import ExtractJob
-    from eyas.data.prepare import prepare_job
-    from eyas.eval.stage import EvalJob
-    from eyas.serving.export import ExportJob
-    from eyas.train.config import TrainJob
+    """The job the stage's command builds from ``overrides`` (checked as the command checks them, not run)."""
+    import importlib
 
-    build = {
-        "prepare": prepare_job,
-        "extract": lambda c: load_job(c, ExtractJob),
-        "train": lambda c: load_job(c, TrainJob),
-        "export": lambda c: load_job(c, ExportJob),
-        "eval": lambda c: load_job(c, EvalJob),
+    from eyas.command import dry_run
+
+    module = {
+        "prepare": "eyas.data.prepare",
+        "extract": "eyas.data.extract",
+        "train": "eyas.train.__main__",
+        "export": "eyas.serving.export",
+        "eval": "eyas.eval.__main__",
     }[stage]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return build(compose("config", [o for o in overrides if not o.startswith("hydra.")]))
+    return dry_run(
+        importlib.import_module(module).COMMAND, [o for o in overrides if not o.startswith("hydra.")]
+    )
 
 
 @pytest.mark.parametrize(
@@ -101,7 +99,7 @@ def test_every_command_of_the_example_composes_into_its_stage_config(script, env
     assert ext.samples == str(Path(prep.out_dir) / "train" / "samples.jsonl")
     assert train.data.store_dir == ext.out_dir and train.ttt_steps == 4 and train.threads in (None, 1)
     assert jobs["export"].export.checkpoint == str(Path(train.output_dir) / "best")
-    assert ev.checkpoint == jobs["export"].export.out_dir and ev.engine == "vllm"
+    assert ev.export_dir == jobs["export"].export.out_dir and ev.engine == "vllm"
     assert ev.server_url == env.get("EVAL_URL")
     if smoke:  # tiny sizes on the CPU
         assert (

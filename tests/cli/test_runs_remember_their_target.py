@@ -70,7 +70,7 @@ def test_eval_without_target_evaluates_against_the_tiny_target_the_drafter_was_t
 
     sets = "[{name: p, source: 'builtin:predictable', n: 1, max_new_tokens: 8}]"
     args = [
-        f"eval.checkpoint={export}",
+        f"eval.export_dir={export}",
         f"eval.prompt_sets={sets}",
         "eval.methods=[eagle3-chain,none]",
         "eval.profile=null",
@@ -120,7 +120,7 @@ def test_command_line_sets_a_group_only_when_an_override_names_it(overrides, exp
 
     from hydra.core.hydra_config import HydraConfig
 
-    from eyas.common import command_line_sets
+    from eyas.command import command_line_sets
 
     assert command_line_sets("target")  # outside a Hydra app every value was chosen by the caller
     monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
