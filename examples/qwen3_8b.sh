@@ -17,16 +17,8 @@ MODEL=${MODEL:-Qwen/Qwen3-8B}
 GPUS=${GPUS:-8}
 if smoke; then
   WORK=${WORK:-runs/example-smoke/qwen3_8b}
-  TARGET=(target=smollm2)
-  PREPARE=(corpus=demo corpus.budget=6 corpus.eval_budget=2 prepare.max_len=512 prepare.regen.max_new_tokens=48
-           prepare.regen.max_len=512 prepare.regen.concurrency=2 prepare.regen.server.max_model_len=1024
-           prepare.threads=1)
-  EXTRACT=(extract.concurrency=2 extract.threads=1 extract.server.max_model_len=1024)
+  smoke_sizes   # TARGET, PREPARE, EXTRACT, TRAIN, EVAL: the embedded target at tiny sizes (common.sh)
   LAUNCH=(--config_file conf/accelerate/cpu_ddp.yaml --num_processes 1)
-  TRAIN=(drafter.draft_vocab_size=1024 train.max_steps=8 train.eval_every=4 train.save_every=4 train.threads=1
-         train.data.eval_fraction=0.25 train.data.loader.batch_rows=1 train.data.loader.max_tokens=512)
-  EVAL=("eval.prompt_sets=[{name: reasoning, source: reasoning_gym, n: 2, label: hard reasoning, max_new_tokens: 32}]"
-        eval.max_prompt_tokens=1024 eval.server.max_model_len=2048 eval.threads=1)
 else
   WORK=${WORK:-runs/qwen3_8b}
   TARGET=(target=hf "target.path=$MODEL")
