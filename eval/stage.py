@@ -191,7 +191,7 @@ def run(
         )
     if job.threads:
         torch.set_num_threads(job.threads)
-    chosen = choose_target(job.target, ecfg.export_dir, "eval")
+    chosen = choose_target(job.target, ecfg.export_dir, "eval", caller_loaded=target is not None)
     job = replace(job, target=chosen.config)
     if target is None and not engine_only:
         target = load_target(with_drafter_aux_layers(job.target, ecfg.export_dir))

@@ -957,12 +957,12 @@ def run(job: ExportJob, target=None) -> dict[str, Any]:
             raise ConfigError(
                 f"export.{key} is not set: python -m eyas.serving.export export.{key}=<dir> ..."
             )
-    chosen = choose_target(job.target, e.checkpoint, "export")
+    chosen = choose_target(job.target, e.checkpoint, "export", caller_loaded=target is not None)
     target = target if target is not None else load_target(chosen.config)
     check_target(chosen.record, target.info, e.checkpoint)
     emb = target.model.get_input_embeddings().weight
     drafter = load_trained_drafter(e.checkpoint, emb)
-    record = TargetRecord.of(chosen.config, target.info)
+    record = TargetRecord.of(chosen.config, target.info) if chosen.known else None
     export(drafter, target, e.out_dir, config=e.settings(), record=record)
     err = round_trip_error(drafter, e.out_dir, emb)
     if err > 1e-4:

@@ -166,19 +166,25 @@ class ChosenTarget:
     """The drafter's record (None: it has none)."""
     source: str
     """Where the choice came from, for the log."""
+    known: bool = True
+    """False: ``config`` does not say where the target comes from (the caller loaded a target the drafter has no
+    record of), so nothing should record it."""
 
 
 def choose_target(
-    given: TargetConfig | None, drafter: str | os.PathLike | None, command: str
+    given: TargetConfig | None, drafter: str | os.PathLike | None, command: str, caller_loaded: bool = False
 ) -> ChosenTarget:
     """``given`` (``target=`` on the command line) or, when absent, the target the drafter at ``drafter``
-    recorded (else the default target); logs which."""
+    recorded (else the default target); logs which. ``caller_loaded``: the caller passes a target it loaded
+    itself (the pipeline), which is used whatever this returns."""
     found = find_target_record(drafter) if drafter else None
     record, where = found if found else (None, None)
     if given is not None:
         chosen = ChosenTarget(given, record, "target= on the command line")
     elif record is not None:
         chosen = ChosenTarget(record.target_config(), record, f"recorded in {where}")
+    elif caller_loaded:
+        return ChosenTarget(TargetConfig(), None, "the target the caller loaded", known=False)
     else:
         chosen = ChosenTarget(TargetConfig(), None, "the default target: the drafter records none")
         if drafter:

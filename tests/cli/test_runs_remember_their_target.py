@@ -108,6 +108,10 @@ def test_a_drafter_without_a_record_keeps_the_default_target(tmp_path, caplog):
     assert "records no target" in caplog.text
     given = TargetConfig(path="some/model")
     assert choose_target(given, tmp_path / "old", "eval").config is given
+    # a target the caller loaded itself (the pipeline) is used as it is, and not recorded as the default one
+    caplog.clear()
+    loaded = choose_target(None, tmp_path / "old", "export", caller_loaded=True)
+    assert not loaded.known and "records no target" not in caplog.text
 
 
 @pytest.mark.parametrize(
