@@ -13,7 +13,7 @@ VLLM_VERSION ?= 0.32.0
 SGLANG_VENV ?= .venv-sglang
 SGLANG_SPEC ?= sglang
 
-.PHONY: venv vllm sglang demo test lint format bench bench-train bench-extract clean-venv
+.PHONY: venv vllm sglang demo example-smoke test lint format bench bench-train bench-extract clean-venv
 
 venv: $(VENV)/.installed
 
@@ -66,6 +66,12 @@ $(SGLANG_VENV)/.installed: Makefile
 # The whole pipeline on the embedded default target (SmolLM2-135M-Instruct); prints the result table.
 demo: venv
 	$(BIN)/python -m eyas.pipeline
+
+# The worked examples (examples/*.sh) in their smoke mode: the same commands and engines (vLLM's CPU build) on the
+# embedded target with tiny sizes; outputs under runs/example-smoke/. DRY_RUN=1 prints the commands only.
+example-smoke: venv vllm
+	SMOKE=1 bash examples/qwen3_8b.sh
+	SMOKE=1 bash examples/deepseek_v3.sh
 
 # The benchmark budget (regeneration, a larger store, training, eval, the train/extract benches); writes BENCH.md.
 bench: venv

@@ -2,6 +2,7 @@
 
 ``python -m eyas.data.prepare corpus=demo prepare.regenerate=true prepare.regen.max_new_tokens=256`` (Hydra app on
 ``conf/config.yaml``; ``target=`` picks the model whose tokenizer and chat template are used).
+``prepare.regen.engine=server`` regenerates through a serving engine (:mod:`eyas.data.regenerate_server`).
 
 Design decisions:
 - The output directory is keyed by a hash of everything that shapes it (corpus config, prepare settings, the
@@ -38,7 +39,19 @@ from eyas.data.chat import FormatStats, format_conversations
 from eyas.data.corpora.config import SPLITS, CorpusConfig, corpus_config_from_dict
 from eyas.data.corpora.mixtures import CorpusSplits, load_corpus
 from eyas.data.corpora.readers import iter_jsonl
-from eyas.data.regenerate import RegenerateConfig, RegenerateResult, read_regenerated, regenerate
+from eyas.data.regenerate import (
+    SERVER_ONLY_FIELDS,
+    RegenerateConfig,
+    RegenerateResult,
+    read_regenerated,
+    regenerate,
+)
+from eyas.data.regenerate_server import (
+    ServerSession,
+    ServerTarget,
+    load_server_target,
+    regenerate_via_server,
+)
 from eyas.data.types import Conversation, Sample
 from eyas.serving.models.target import TargetConfig
 
@@ -158,28 +171,47 @@ def config_hash(cfg: PrepareConfig, tokenizer_fingerprint: str, target_name: str
         "corpus": asdict(cfg.corpus),
         "max_len": cfg.max_len,
         # threads/progress and the stopping points do not change what a finished output holds
-        "regenerate": {
-            k: v for k, v in asdict(cfg.regen).items() if k not in ("time_budget_s", "max_batches")
-        }
-        if cfg.regenerate
-        else None,
+        "regenerate": _regen_key(cfg.regen) if cfg.regenerate else None,
         "tokenizer": tokenizer_fingerprint,
         "target": target_name if cfg.regenerate else None,
     }
     return json_hash(key)
 
 
+def _regen_key(regen: RegenerateConfig) -> dict[str, Any]:
+    """The regeneration settings that shape the output: not the stopping points, nor (``engine=server``) where
+    and how fast the servers are asked; the in-process engines' key is what it was before servers existed."""
+    skip = {"time_budget_s", "max_batches"}
+    if regen.engine == "server":
+        skip |= set(SERVER_ONLY_FIELDS) - {"request_mode"}
+    else:
+        skip |= set(SERVER_ONLY_FIELDS)
+    return {k: v for k, v in asdict(regen).items() if k not in skip}
+
+
+def _target_name(target) -> str | None:
+    if target is None:
+        return None
+    return target.name if isinstance(target, ServerTarget) else target.info.name
+
+
 def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult:
-    """Run the stage. ``target`` (a :class:`serving.target.Target`) is needed to regenerate; otherwise its
-    tokenizer, or ``tokenizer`` alone, is enough."""
+    """Run the stage. ``target`` (a :class:`serving.models.target.Target`; with ``regen.engine=server`` a
+    :class:`data.regenerate_server.ServerTarget`) is needed to regenerate; otherwise its tokenizer, or
+    ``tokenizer`` alone, is enough."""
     from eyas.serving.models.target import tokenizer_hash
 
     if cfg.regenerate and target is None:
         raise ValueError("prepare.regenerate=true needs the target model (pass target=load_target(...))")
+    if cfg.regenerate and (cfg.regen.engine == "server") != isinstance(target, ServerTarget):
+        raise ValueError(
+            "prepare.regen.engine=server regenerates through a ServerTarget (load_server_target), the other "
+            "engines through a loaded Target"
+        )
     tok = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
     if tok is None:
         raise ValueError("prepare needs the target's tokenizer: pass target= or tokenizer=")
-    name = target.info.name if target is not None else None
+    name = _target_name(target)
     tok_fp = tokenizer_hash(tok)
     key = config_hash(cfg, tok_fp, name)
     out = Path(cfg.out_dir) if cfg.out_dir else Path(cfg.work_dir) / "prepare" / key
@@ -207,52 +239,86 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
     corpus_stats = [s.to_dict() for s in corpus.stats]
     atomic_write_json(out / "corpus.json", {"config": asdict(cfg.corpus), "stats": corpus_stats})
     splits: dict[str, SplitResult] = {}
-    for split in SPLITS:
-        convs = corpus.train if split == "train" else corpus.eval
-        d = out / split
-        d.mkdir(exist_ok=True)
-        conv_path = d / "conversations.jsonl"
-        regen_path = d / "regenerate.json"
-        regen_res = None
-        partial = d / "conversations.partial.jsonl"
-        if conv_path.exists() and not partial.exists():  # an earlier run of this config finished this step
-            convs = read_conversations(conv_path)
-            if regen_path.exists():
-                regen_res = _regen_result(json.loads(regen_path.read_text()))
-        elif cfg.regenerate and convs:
-            # appended per batch under a working name: a restart resumes it; removed once complete
-            regen_res = regenerate(convs, target, cfg.regen, partial, progress=cfg.progress)
-            by_id = {c.id: c for c in read_regenerated(partial)}
-            if (
-                regen_res.remaining and cfg.regen.unfinished == "keep"
-            ):  # time budget: original answers for now
-                convs = [by_id.get(c.id, c) for c in convs]
-            else:
-                convs = [by_id[c.id] for c in convs if c.id in by_id]  # corpus order, not generation order
-            atomic_write_json(regen_path, regen_res.to_dict())
-            atomic_write_jsonl(conv_path, (c.to_record() for c in convs))
-            if not regen_res.remaining:
-                partial.unlink()
-        else:
-            atomic_write_jsonl(conv_path, (c.to_record() for c in convs))
-        fmt = format_conversations(convs, tok, cfg.max_len, progress=cfg.progress)
-        samples_path = d / "samples.jsonl"
-        if split == "train" and not fmt.samples:
-            raise InputError(_no_samples_message(cfg, corpus, convs, fmt.stats))
-        atomic_write_jsonl(samples_path, (sample_record(s, tok_fp) for s in fmt.samples))
-        splits[split] = SplitResult(
-            conversations=len(convs),
-            samples=len(fmt.samples),
-            tokens=fmt.stats.tokens,
-            loss_tokens=fmt.stats.loss_tokens,
-            format=fmt.stats,
-            regen=regen_res,
-            conversations_path=str(conv_path),
-            samples_path=str(samples_path),
-        )
+    session = _server_session(cfg, target, out)
+    try:
+        for split in SPLITS:
+            convs = corpus.train if split == "train" else corpus.eval
+            splits[split] = _prepare_split(
+                cfg, split, convs, out / split, target, tok, tok_fp, session, corpus
+            )
+    finally:
+        if session is not None:
+            session.close()
     result = PrepareResult(out_dir=out, splits=splits, corpus_stats=corpus_stats)
     atomic_write_json(summary_path, {**result.to_dict(), "complete": result.complete, "config_hash": key})
     return result
+
+
+def _prepare_split(
+    cfg: PrepareConfig,
+    split: str,
+    convs: list[Conversation],
+    d: Path,
+    target,
+    tok,
+    tok_fp: str,
+    session: ServerSession | None,
+    corpus: CorpusSplits,
+) -> SplitResult:
+    """One split: (regenerated) conversations, then the formatted samples, into ``d``."""
+    d.mkdir(exist_ok=True)
+    conv_path = d / "conversations.jsonl"
+    regen_path = d / "regenerate.json"
+    regen_res = None
+    partial = d / "conversations.partial.jsonl"
+    if conv_path.exists() and not partial.exists():  # an earlier run of this config finished this step
+        convs = read_conversations(conv_path)
+        if regen_path.exists():
+            regen_res = _regen_result(json.loads(regen_path.read_text()))
+    elif cfg.regenerate and convs:
+        # appended per batch under a working name: a restart resumes it; removed once complete
+        regen_res = _regenerate(convs, target, cfg, partial, session)
+        by_id = {c.id: c for c in read_regenerated(partial)}
+        if regen_res.remaining and cfg.regen.unfinished == "keep":  # time budget: original answers for now
+            convs = [by_id.get(c.id, c) for c in convs]
+        else:  # corpus order, not generation order
+            convs = [by_id[c.id] for c in convs if c.id in by_id]
+        atomic_write_json(regen_path, regen_res.to_dict())
+        atomic_write_jsonl(conv_path, (c.to_record() for c in convs))
+        if not regen_res.remaining:
+            partial.unlink()
+    else:
+        atomic_write_jsonl(conv_path, (c.to_record() for c in convs))
+    fmt = format_conversations(convs, tok, cfg.max_len, progress=cfg.progress)
+    samples_path = d / "samples.jsonl"
+    if split == "train" and not fmt.samples:
+        raise InputError(_no_samples_message(cfg, corpus, convs, fmt.stats))
+    atomic_write_jsonl(samples_path, (sample_record(s, tok_fp) for s in fmt.samples))
+    return SplitResult(
+        conversations=len(convs),
+        samples=len(fmt.samples),
+        tokens=fmt.stats.tokens,
+        loss_tokens=fmt.stats.loss_tokens,
+        format=fmt.stats,
+        regen=regen_res,
+        conversations_path=str(conv_path),
+        samples_path=str(samples_path),
+    )
+
+
+def _server_session(cfg: PrepareConfig, target, out: Path) -> ServerSession | None:
+    """The regeneration servers of this run (``engine=server``), started when a split first needs them."""
+    if not (cfg.regenerate and cfg.regen.engine == "server"):
+        return None
+    return ServerSession(target, cfg.regen, out / "regen_server.log", cfg.threads)
+
+
+def _regenerate(
+    convs, target, cfg: PrepareConfig, partial: Path, session: ServerSession | None
+) -> RegenerateResult:
+    if session is None:
+        return regenerate(convs, target, cfg.regen, partial, progress=cfg.progress)
+    return regenerate_via_server(convs, target, cfg.regen, partial, session.servers(), progress=cfg.progress)
 
 
 def _source_where(src) -> str:
@@ -368,6 +434,12 @@ def run(job: PrepareJob, target=None) -> PrepareResult:
         import torch
 
         torch.set_num_threads(pcfg.threads)
+    if (
+        pcfg.regenerate and pcfg.regen.engine == "server"
+    ):  # the engine holds the weights; eyas reads the tokenizer
+        if not isinstance(target, ServerTarget):
+            target = load_server_target(job.target)
+        return prepare(pcfg, target, tokenizer=target.tokenizer)
     if pcfg.regenerate:
         target = target if target is not None else load_target(job.target)
         return prepare(pcfg, target, tokenizer=target.tokenizer)

@@ -18,6 +18,8 @@ Design decisions:
   (``engine=hf``) for architectures with exotic caches. Sampling draws from a per-batch ``torch.Generator``.
   Generated ``<think>…</think>`` text is
   split back into the ``reasoning`` field, so the chat template renders it as the model wrote it.
+- ``engine=server`` answers through an OpenAI-compatible serving engine instead (a target too large for one
+  process): :mod:`eyas.data.regenerate_server`, with the same records, resume rules and stopping points.
 """
 
 from __future__ import annotations
@@ -37,9 +39,14 @@ import torch
 from eyas.data.chat import format_prompt, split_reasoning
 from eyas.data.corpora.mixtures import hash01
 from eyas.data.types import Conversation
+from eyas.serving.engine_process import EngineServerConfig
 from eyas.serving.verify import warp_probs
 
 log = logging.getLogger(__name__)
+
+ENGINES = ("loop", "hf", "server")
+SERVER_ONLY_FIELDS = ("server_url", "request_mode", "concurrency", "retries", "retry_backoff_s", "server")
+"""Fields only ``engine=server`` reads (kept out of the prepare stage's config hash for the other engines)."""
 
 
 @dataclass
@@ -63,7 +70,9 @@ class RegenerateConfig:
     ``max_new_tokens`` ends the conversation there."""
     engine: str = "loop"
     """``loop``: eyas' decode loop, which drops finished rows from the batch as it goes; ``hf``: transformers'
-    ``generate`` (every row runs until the whole batch is done; for architectures the loop does not handle)."""
+    ``generate`` (every row runs until the whole batch is done; for architectures the loop does not handle);
+    ``server``: an OpenAI-compatible serving engine (``server_url``, else a vLLM server eyas starts from
+    ``.venv-vllm``; :mod:`eyas.data.regenerate_server`), for targets that do not fit one process."""
     cache: str = "dynamic"
     """KV cache of the ``hf`` engine: ``dynamic`` or ``static``."""
     time_budget_s: float | None = None
@@ -79,6 +88,31 @@ class RegenerateConfig:
     """What a run stopped early (``time_budget_s`` or ``max_batches``) does with conversations not regenerated
     yet: ``keep`` their original answers in the prepared data, or ``drop`` them (train on the target's own answers
     only)."""
+    server_url: str | list[str] | None = None
+    """``engine=server``: the server(s) to ask (``http://host:port``); a list spreads the conversations over
+    them (data parallel). None: eyas starts vLLM from ``.venv-vllm`` (``make vllm``) with ``server``'s settings."""
+    request_mode: str = "tokens"
+    """``engine=server``: ``tokens`` (eyas renders the chat template and sends token ids to ``/v1/completions``:
+    the target sees exactly the training text) or ``chat`` (messages to ``/v1/chat/completions``, for endpoints
+    that take only messages; the prompt the server reports it rendered must equal the target template's)."""
+    concurrency: int = 8
+    """``engine=server``: conversations in flight per server (each asks its turns one after another)."""
+    retries: int = 4
+    """``engine=server``: retries of a request that failed for a transient reason (connection, HTTP 408, 429,
+    5xx), with exponential backoff; a 4xx answer is final."""
+    retry_backoff_s: float = 1.0
+    """``engine=server``: seconds before the first retry; doubled for each further one (at most 60 s)."""
+    server: EngineServerConfig = field(default_factory=EngineServerConfig)
+    """``engine=server`` without ``server_url``: how eyas starts vLLM (venv, timeouts, dtype, ``max_model_len``
+    (the longest prompt + answer it takes), extra arguments and environment)."""
+
+    @property
+    def server_urls(self) -> list[str]:
+        """``server_url`` as a list (empty: eyas starts a server)."""
+        if not self.server_url:
+            return []
+        urls = [self.server_url] if isinstance(self.server_url, str) else list(self.server_url)
+        return [u.rstrip("/") for u in urls]
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -91,8 +125,23 @@ class RegenerateConfig:
             raise ValueError(f"batch_size must be >= 1, not {self.batch_size}")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 or null, not {self.max_turns}")
-        if self.engine not in ("loop", "hf"):
-            raise ValueError(f"engine must be 'loop' or 'hf', not {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if self.request_mode not in ("tokens", "chat"):
+            raise ValueError(f"request_mode must be 'tokens' or 'chat', not {self.request_mode!r}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, not {self.concurrency}")
+        if self.retries < 0 or self.retry_backoff_s < 0:
+            raise ValueError(
+                f"retries and retry_backoff_s must be >= 0, not {self.retries}, {self.retry_backoff_s}"
+            )
+        if isinstance(self.server, dict):
+            from eyas.common import build_config
+
+            self.server = build_config(EngineServerConfig, self.server, "prepare.regen.server")
+        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"server_url must be http(s)://host:port, not {bad[0]!r}")
         if self.unfinished not in ("keep", "drop"):
             raise ValueError(f"unfinished must be 'keep' or 'drop', not {self.unfinished!r}")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
@@ -184,8 +233,14 @@ def cut_at_stop(ids: Sequence[int], stop_ids: set[int], max_new_tokens: int) -> 
 
 
 def _stop_ids(target) -> set[int]:
+    return stop_ids_of(getattr(target.model, "generation_config", None), target.tokenizer)
+
+
+def stop_ids_of(generation_config, tokenizer) -> set[int]:
+    """The tokens that end an answer: the generation config's ``eos_token_id`` (one or several) and the
+    tokenizer's."""
     ids: set[int] = set()
-    for src in (getattr(target.model, "generation_config", None), target.tokenizer):
+    for src in (generation_config, tokenizer):
         v = getattr(src, "eos_token_id", None)
         if isinstance(v, int):
             ids.add(v)
@@ -346,29 +401,11 @@ def regenerate(
     stop_ids = _stop_ids(target)
     max_len = cfg.max_len or int(getattr(target.config, "max_position_embeddings", 1 << 30))
 
-    # Fixed order over the whole input (done or not): batches are the same in every run of this input.
-    items, seen = [], set()
-    for conv in convs:
-        if conv.id in seen:
-            continue
-        seen.add(conv.id)
-        system, users = _user_turns(conv, cfg.max_turns)
-        if not users:
-            res.skipped_no_user += 1
-            continue
-        items.append(_Pending(conv, system, users, format_prompt(system + users[:1], tok)))
-    items.sort(key=lambda it: (len(it.first_prompt), it.conv.id))
+    items, res.skipped_no_user = pending_items(convs, cfg, tok)
     batches = [items[i : i + cfg.batch_size] for i in range(0, len(items), cfg.batch_size)]
     todo = sum(1 for it in items if it.conv.id not in done)
     res.already_done = len(items) - todo
-    if res.already_done:
-        log.info(
-            "regenerate: %d of %d conversations already in %s; generating the other %d",
-            res.already_done,
-            len(items),
-            out_path,
-            todo,
-        )
+    log_already_done(res, len(items), todo)
 
     bar = tqdm(total=todo, desc="regenerate", unit="conv", disable=not progress)
     finish: Counter[str] = Counter()
@@ -406,19 +443,53 @@ def regenerate(
             bar.set_postfix(tok_s=f"{res.tokens_per_s:.0f}")
     bar.close()
     res.finish = dict(finish)
+    log_written(res)
+    return res
+
+
+def pending_items(
+    convs: Sequence[Conversation], cfg: RegenerateConfig, tokenizer
+) -> tuple[list[Pending], int]:
+    """(the conversations to answer in their fixed order, how many have no user turn): sorted by first-prompt
+    length over the whole input, done or not, so batches (and ``max_batches``) are the same in every run."""
+    items, seen, no_user = [], set(), 0
+    for conv in convs:
+        if conv.id in seen:
+            continue
+        seen.add(conv.id)
+        system, users = _user_turns(conv, cfg.max_turns)
+        if not users:
+            no_user += 1
+            continue
+        items.append(Pending(conv, system, users, format_prompt(system + users[:1], tokenizer)))
+    items.sort(key=lambda it: (len(it.first_prompt), it.conv.id))
+    return items, no_user
+
+
+def log_already_done(res: RegenerateResult, total: int, todo: int) -> None:
+    if res.already_done:
+        log.info(
+            "regenerate: %d of %d conversations already in %s; generating the other %d",
+            res.already_done,
+            total,
+            res.path,
+            todo,
+        )
+
+
+def log_written(res: RegenerateResult) -> None:
     log.info(
         "regenerate: wrote %d conversations (%d turns, %d tokens) at %.1f tok/s into %s",
         res.written,
         res.turns,
         res.generated_tokens,
         res.tokens_per_s,
-        out_path,
+        res.path,
     )
-    return res
 
 
 @dataclass
-class _Pending:
+class Pending:
     """A conversation to regenerate, and the messages its answers are built from."""
 
     conv: Conversation
@@ -432,7 +503,7 @@ class _Pending:
 
 
 def _regenerate_batch(
-    batch: list[_Pending],
+    batch: list[Pending],
     target,
     cfg: RegenerateConfig,
     seed: int,
@@ -459,36 +530,48 @@ def _regenerate_batch(
             break
         outs = generate_batch(target, [p for _, p in active], cfg, seed + turn, stop_ids)
         for (s, _), g in zip(active, outs):
-            text_ids = [t for t in g.token_ids if t not in stop_ids]
-            text = tok.decode(text_ids, skip_special_tokens=False).strip()
-            reasoning, content = split_reasoning(text)
-            msg: dict[str, Any] = {"role": "assistant", "content": content}
-            if reasoning:
-                msg["reasoning"] = reasoning
-            s.msgs.append(msg)
+            s.msgs.append(
+                answer_message(
+                    tok.decode([t for t in g.token_ids if t not in stop_ids], skip_special_tokens=False)
+                )
+            )
             s.tokens.append(len(g.token_ids))
             s.finish.append(g.finish)
-    records = []
-    for s in batch:
-        conv = s.conv
-        meta = dict(conv.meta)
-        refs = [m["content"] for m in conv.messages if m["role"] == "assistant"]
-        if refs:
-            meta.setdefault("reference", refs)
-        meta.update(
-            regenerated=True,
-            generated_tokens=sum(s.tokens),
-            tokens_per_turn=s.tokens,
-            finish_reasons=s.finish,
-            regenerated_by=target.info.name,
-        )
-        finish.update(s.finish)
-        if not s.open:
-            meta["ended_early"] = "context"
-            finish["context"] += 1
-        msgs = s.msgs
-        records.append(Conversation(id=conv.id, messages=msgs, source=conv.source, meta=meta).to_record())
-    return records
+    return [pending_record(s, target.info.name, finish) for s in batch]
+
+
+def answer_message(text: str, reasoning: str | None = None) -> dict[str, Any]:
+    """The assistant message of a generated answer: a ``<think>…</think>`` block in ``text`` (or ``reasoning``
+    given apart, as a server's reasoning parser returns it) goes into the ``reasoning`` field."""
+    text = text.strip()
+    if reasoning is None:
+        reasoning, text = split_reasoning(text)
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning and reasoning.strip():
+        msg["reasoning"] = reasoning.strip()
+    return msg
+
+
+def pending_record(s: Pending, regenerated_by: str, finish: Counter[str]) -> dict[str, Any]:
+    """The output record of a regenerated conversation (docs/DESIGN.md format, with the ``meta`` above);
+    counts its finish reasons into ``finish``."""
+    conv = s.conv
+    meta = dict(conv.meta)
+    refs = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+    if refs:
+        meta.setdefault("reference", refs)
+    meta.update(
+        regenerated=True,
+        generated_tokens=sum(s.tokens),
+        tokens_per_turn=s.tokens,
+        finish_reasons=s.finish,
+        regenerated_by=regenerated_by,
+    )
+    finish.update(s.finish)
+    if not s.open:
+        meta["ended_early"] = "context"
+        finish["context"] += 1
+    return Conversation(id=conv.id, messages=s.msgs, source=conv.source, meta=meta).to_record()
 
 
 def read_regenerated(path: str | os.PathLike) -> list[Conversation]:

@@ -23,7 +23,8 @@ from eyas.eval.recommend import ChainLengthRecommendation, recommend_chain_lengt
 from eyas.serving.engine_process import ENGINES, EngineName, EngineServerConfig
 from eyas.serving.exactness import probe
 from eyas.serving.models.exact_attention import EXACT, MAX_ROWS
-from eyas.serving.models.target import Target, TargetConfig, cpu_has_bf16
+from eyas.serving.models.target import Target, TargetConfig, cpu_has_bf16, tokenizer_hash
+from eyas.serving.target_record import check_target, check_tokenizer, choose_target
 from eyas.serving.tree import TreeConfig
 from eyas.serving.verify import SamplingConfig
 
@@ -147,7 +148,9 @@ class EvalStageConfig:
 class EvalJob:
     """What ``python -m eyas.eval`` runs (:func:`run`): the Hydra groups of the same names."""
 
-    target: TargetConfig = field(default_factory=TargetConfig)
+    target: TargetConfig | None = None
+    """None (no ``target=`` on the command line): the target the drafter records (its export's
+    ``eyas_export.json``, its checkpoint's ``target.json``), else the default one."""
     eval: EvalStageConfig = field(default_factory=EvalStageConfig)
     work_dir: str = "runs"
     threads: int | None = None
@@ -188,8 +191,12 @@ def run(
         )
     if job.threads:
         torch.set_num_threads(job.threads)
+    chosen = choose_target(job.target, ecfg.export_dir, "eval", caller_loaded=target is not None)
+    job = replace(job, target=chosen.config)
     if target is None and not engine_only:
         target = load_target(with_drafter_aux_layers(job.target, ecfg.export_dir))
+    if target is not None:
+        check_target(chosen.record, target.info, ecfg.export_dir)
     numerics = None
     if target is not None:
         target, numerics = ecfg.numerics(target)
@@ -212,6 +219,8 @@ def run(
     if ecfg.threads:
         torch.set_num_threads(ecfg.threads)
     tokenizer = target.tokenizer if target is not None else _load_tokenizer(job.target)
+    if target is None:  # an engine-only evaluation loads no weights: the tokenizer is what can be checked
+        check_tokenizer(chosen.record, tokenizer_hash(tokenizer), job.target.path, ecfg.export_dir)
     prompts = {
         s.name: (s, load_prompt_ids(s, tokenizer, ecfg.seed, ecfg.max_prompt_tokens))
         for s in ecfg.prompt_sets

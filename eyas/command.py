@@ -220,6 +220,16 @@ def _parse(overrides: list[str]) -> list[_Override]:
     return out
 
 
+def command_line_sets(top: str) -> bool:
+    """Whether the running command's line sets the top-level key ``top`` (``target=hf``, ``target.path=x``,
+    ``+target.x=1``); True outside a Hydra app (a caller that built the job itself chose every value)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return True
+    return any(o.top == top for o in _parse(list(HydraConfig.get().overrides.task)))
+
+
 def compose(config: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """``conf/<config>.yaml`` composed with ``overrides`` by Hydra's compose API (inside a Hydra app or not)."""
     from hydra import compose as hydra_compose

@@ -355,7 +355,10 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        for arg in (a for a in args if a is not type(None)):
+        others = [a for a in args if a is not type(None)]
+        if len(others) == 1 and dataclasses.is_dataclass(others[0]):  # `Config | None`: name the inner key
+            return build_config(others[0], value, where)
+        for arg in others:
             try:
                 return _coerce(arg, value, where)
             except ConfigError:

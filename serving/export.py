@@ -44,14 +44,14 @@ import os
 import re
 import shlex
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from eyas.command import Command
+from eyas.command import Command, command_line_sets
 from eyas.common import (
     ConfigError,
     InputError,
@@ -62,12 +62,19 @@ from eyas.common import (
 from eyas.serving.load import SGLANG_ARCH, DrafterLoadError, export_format
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, rope_parameters_of
 from eyas.serving.models.target import TargetConfig, aux_layer_problem
+from eyas.serving.target_record import (
+    EXPORT_SIDECAR,
+    SIDECAR_KEY,
+    TargetRecord,
+    check_target,
+    choose_target,
+)
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("sglang", "speculators")
 SPECULATORS_ARCH = "Eagle3Speculator"
-EYAS_SIDECAR = "eyas_export.json"
+EYAS_SIDECAR = EXPORT_SIDECAR
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 EXPORT_FILES = frozenset({CONFIG, WEIGHTS, EYAS_SIDECAR})
@@ -536,11 +543,14 @@ def export(
     *,
     config: ExportConfig | None = None,
     embedding: torch.Tensor | None = None,
+    record: TargetRecord | None = None,
 ) -> ExportResult:
     """Validate, then write ``drafter`` for ``target`` (Target, transformers config or :class:`TargetSpec`).
 
     ``fmt`` overrides ``config.fmt``. ``embedding``: the target's input embedding, written when the embedding
-    is exported (default: the target's when ``target`` carries it, else the drafter's copy of it).
+    is exported (default: the target's when ``target`` carries it, else the drafter's copy of it). ``record``:
+    the target's :class:`~serving.target_record.TargetRecord`, kept in ``eyas_export.json`` (``eyas eval`` loads
+    that target when no ``target=`` is given).
     Raises :class:`ExportError` listing every problem before anything is written.
     """
     cfg = config or ExportConfig()
@@ -588,6 +598,8 @@ def export(
             out, spec.source or spec.name, cfg.speculative_tokens, "export.speculative_tokens"
         ),
     }
+    if record is not None:
+        sidecar[SIDECAR_KEY] = record.to_dict()
     _write_atomically(out, cfg_json, written, sidecar, cfg.overwrite)
     num_bytes = sum(t.numel() * t.element_size() for t in written.values())
     log.info("exported drafter (%s, %s, %.1f MiB) to %s", cfg.fmt, cfg.dtype, num_bytes / 2**20, out)
@@ -927,13 +939,15 @@ class ExportStage(ExportConfig):
 class ExportJob:
     """What ``python -m eyas.serving.export`` runs (:func:`run`): the Hydra groups of the same names."""
 
-    target: TargetConfig = field(default_factory=TargetConfig)
+    target: TargetConfig | None = None
+    """None (no ``target=`` on the command line): the target the checkpoint records, else the default one."""
     export: ExportStage = field(default_factory=ExportStage)
 
 
 def run(job: ExportJob, target=None) -> dict[str, Any]:
     """Export ``job.export.checkpoint`` for SGLang / vLLM, load it back and check it reproduces the checkpoint's
-    logits; returns :func:`describe_export` plus the round-trip error."""
+    logits; returns :func:`describe_export` plus the round-trip error. The target (loaded unless given) is
+    ``job.target``, else the one the checkpoint records; one that does not fit the drafter is refused."""
     from eyas.serving.models.drafter import load_trained_drafter
     from eyas.serving.models.target import load_target
 
@@ -943,10 +957,13 @@ def run(job: ExportJob, target=None) -> dict[str, Any]:
             raise ConfigError(
                 f"export.{key} is not set: python -m eyas.serving.export export.{key}=<dir> ..."
             )
-    target = target if target is not None else load_target(job.target)
+    chosen = choose_target(job.target, e.checkpoint, "export", caller_loaded=target is not None)
+    target = target if target is not None else load_target(chosen.config)
+    check_target(chosen.record, target.info, e.checkpoint)
     emb = target.model.get_input_embeddings().weight
     drafter = load_trained_drafter(e.checkpoint, emb)
-    export(drafter, target, e.out_dir, config=e.settings())
+    record = TargetRecord.of(chosen.config, target.info) if chosen.known else None
+    export(drafter, target, e.out_dir, config=e.settings(), record=record)
     err = round_trip_error(drafter, e.out_dir, emb)
     if err > 1e-4:
         raise ExportError(f"export round trip changed the logits by {err:.3g}: {e.out_dir}")
@@ -955,7 +972,10 @@ def run(job: ExportJob, target=None) -> dict[str, Any]:
 
 def export_command(job: ExportJob) -> None:
     """``python -m eyas.serving.export export.checkpoint=<dir> export.out_dir=<dir> [export.fmt=speculators] target=...``:
-    export a trainer checkpoint for SGLang / vLLM, then load it back and check it reproduces the checkpoint."""
+    export a trainer checkpoint for SGLang / vLLM, then load it back and check it reproduces the checkpoint. Without
+    ``target=`` on the command line, the target is the one the checkpoint records."""
+    if not command_line_sets("target"):
+        job = replace(job, target=None)
     res = run(job)
     print(json.dumps(res, indent=1, default=str))
     print_serving(res.get("serve"))

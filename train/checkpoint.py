@@ -11,6 +11,9 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step_00000040/``::
     scheduler.pt            LR scheduler state                           |      (partitioned optimizer state)
     rng_rank{r}.pt          python / numpy / torch (/ cuda) RNG states of rank r
     data_rank{r}.pt         the data source's state_dict() on rank r (its position)
+    target.json             the target the run trains against (a copy of <output_dir>/target.json, which the
+                            setup writes: serving/target_record.py); ``best/`` carries it too, so a checkpoint
+                            names its target wherever it is copied (export and eval read it)
 
 Design decisions:
 - Atomic: every rank writes into ``.step_XXXXXXXX.tmp`` and fsyncs its files; after a barrier rank 0 writes
@@ -50,6 +53,7 @@ from eyas.common import (
     replace_dir,
 )
 from eyas.serving.models.drafter import WEIGHTS_FILE, save_drafter_weights
+from eyas.serving.target_record import TARGET_FILE
 from eyas.train.config import diff_identity
 
 log = logging.getLogger(__name__)
@@ -250,6 +254,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         save_weights(tmp, weights, drafter_config)
         _save(scheduler.state_dict(), tmp / "scheduler.pt")
+        copy_run_target(root.parent, tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state.saved_at = time.time()
@@ -261,6 +266,13 @@ def save_checkpoint(
         log.info("checkpoint saved: %s", final)
     accelerator.wait_for_everyone()
     return final
+
+
+def copy_run_target(run_dir: str | os.PathLike, directory: Path) -> None:
+    """The run's target record (``<run_dir>/target.json``) into checkpoint ``directory``, when the run has one."""
+    src = Path(run_dir) / TARGET_FILE
+    if src.is_file():
+        shutil.copyfile(src, directory / TARGET_FILE)
 
 
 def _optimizer_state(optimizer) -> dict[str, Any]:
@@ -290,6 +302,7 @@ def save_best(
     tmp.mkdir(parents=True)
     save_weights(tmp, weights, drafter_config)
     atomic_write_json(tmp / "metrics.json", metrics)
+    copy_run_target(directory.parent, tmp)
     fsync_tree(tmp)
     replace_dir(tmp, directory)
 

@@ -7,6 +7,8 @@ Design decisions:
   is the target's (frozen); ``drafter.intermediate_size`` is the only size the user picks.
 - The draft vocabulary is counted over the *training* split's loss-masked tokens (never the held-out one) and
   saved as ``<output_dir>/draft_vocab.json``; a resumed run reuses that file so the vocabulary cannot drift.
+- The target is recorded as ``<output_dir>/target.json`` (:mod:`eyas.serving.target_record`) before training, and
+  every checkpoint copies it: ``eyas export`` and ``eyas eval`` load that target when no ``target=`` is given.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from eyas.common import InputError, build_config, ensure_out_dir
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
+from eyas.serving.target_record import TargetRecord, write_target_record
 from eyas.train.config import DraftModelConfig, TrainConfig, TrainJob
 from eyas.train.sources import BatchSource, ListSource
 from eyas.train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
@@ -321,6 +324,8 @@ def run(job: TrainJob, target=None):
             target_cfg = replace(target_cfg, device=str(acc.device))
         with _without_zero3_init(acc):
             target = load_target(target_cfg)
+    if acc.is_main_process:  # every checkpoint carries a copy (train/checkpoint.py): export and eval read it
+        write_target_record(cfg.output_dir, TargetRecord.of(target_cfg, target.info))
     data = run_data(target, cfg, acc.process_index, acc.num_processes)
     vocab_path = (
         Path(drafter_cfg.vocab_file) if drafter_cfg.vocab_file else Path(cfg.output_dir) / "draft_vocab.json"

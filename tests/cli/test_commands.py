@@ -344,11 +344,12 @@ def test_eyas_bench_passes_its_micro_benchmark_settings_as_overrides(tmp_path, m
 
 
 def test_the_yaml_lists_every_field_of_the_stage_configs():
-    """Every option of the eval, export, extract and target configs is spelled out in conf/ (so `eval.dtype=...`
+    """Every option of the eval, export, extract, regeneration and target configs is spelled out in conf/ (so `eval.dtype=...`
     and the like are plain overrides, not `+key=` additions, and nothing is left to a silent code default)."""
     from dataclasses import fields
 
     from eyas.data.extract import ExtractStage
+    from eyas.data.regenerate import RegenerateConfig
     from eyas.eval.profile import ProfileConfig
     from eyas.eval.stage import EvalStageConfig
     from eyas.serving.engine_process import EngineServerConfig
@@ -365,6 +366,8 @@ def test_the_yaml_lists_every_field_of_the_stage_configs():
         (ExportStage, cfg.export),
         (ExtractStage, cfg.extract),
         (TargetConfig, cfg.target),
+        (RegenerateConfig, cfg.prepare.regen),
+        (EngineServerConfig, cfg.prepare.regen.server),
     ]:
         assert {f.name for f in fields(cls)} == set(node), cls.__name__
     for name in ("demo", "bench"):
