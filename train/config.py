@@ -19,6 +19,7 @@ import torch
 
 from eyas.common import ConfigError, build_config
 from eyas.serving.models.target import TargetConfig
+from eyas.train.losses import LOSSES
 from eyas.train.optim import OPTIMIZERS
 
 TEACHERS = ("auto", "hidden", "topk")
@@ -240,6 +241,15 @@ class TrainConfig:
     """Weight of the feature term (``train.losses.DistillationModel``): each TTT step's output pulled towards the
     fused features of the position it stands in for at the next step. 0 (the default) leaves the distribution
     loss alone."""
+    loss: str = "fkl"
+    """The per-row objective of the distillation (``train.losses.OBJECTIVES``), each against the teacher restricted
+    to the draft vocabulary, on hidden and top-k teachers alike: ``fkl`` (the default: soft cross-entropy, forward
+    KL's gradient), ``rkl`` (reverse KL), ``jsd`` (Jensen-Shannon), ``tv`` (total variation, 1 - alpha with
+    alpha = sum_v min(p_v, q_v) the acceptance rate), ``lk`` (-log alpha, LK's acceptance loss, arXiv 2602.23881),
+    ``lk_hybrid`` (lam * KL + (1 - lam) * TV, see ``loss_weight``)."""
+    loss_weight: float | None = None
+    """``loss=lk_hybrid`` only: the KL part's weight lam in [0, 1]; null: the paper's adaptive weight per row,
+    ``exp(-3 alpha)`` (alpha detached; ``train.losses.LK_ETA``)."""
     miss_weight: float = 0.0
     """Extra loss weight of the rows a served greedy chain starts from: row ``t`` weighs ``1 + miss_weight`` when
     the drafter's step 0 at row ``t - 1`` missed (``train.losses.ttt_loss``). 0 (the default): every row alike."""
@@ -317,6 +327,16 @@ class TrainConfig:
             raise ValueError(f"train.teacher_temperature must be > 0, not {self.teacher_temperature}")
         if not self.feature_weight >= 0:
             raise ValueError(f"train.feature_weight must be >= 0, not {self.feature_weight}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"train.loss must be one of {LOSSES}, not {self.loss!r}")
+        if self.loss_weight is not None:
+            if self.loss != "lk_hybrid":
+                raise ValueError(
+                    f"train.loss_weight weighs lk_hybrid's KL part; train.loss={self.loss} has none (set it null)"
+                )
+            if not 0.0 <= self.loss_weight <= 1.0:
+                raise ValueError(f"train.loss_weight must be in [0, 1] or null, not {self.loss_weight}")
+            self.loss_weight = float(self.loss_weight)
         if not self.miss_weight >= 0:
             raise ValueError(f"train.miss_weight must be >= 0, not {self.miss_weight}")
         if self.oov_rule not in OOV_RULES:
@@ -369,6 +389,10 @@ class TrainConfig:
             del d["feature_weight"]  # likewise
         if not d["miss_weight"]:
             del d["miss_weight"]  # likewise
+        if d["loss"] == "fkl":
+            del d["loss"]  # likewise
+        if d["loss_weight"] is None:
+            del d["loss_weight"]  # likewise
         if d["muon_lr"] is None or d["optimizer"] == "adamw":
             del d["muon_lr"]  # likewise; AdamW (auto under DeepSpeed) has no Muon part to apply it to
         if d["optimizer"] == "adamw":
