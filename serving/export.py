@@ -12,6 +12,13 @@ Design decisions (what each consumer does was read from its own model-loading co
   by default, vLLM-convention ids at the top level (the place vLLM reads first), so one directory serves both.
 - ``norm_before_residual: false`` is written explicitly in the speculators config: vLLM defaults a missing key
   to ``True``, which would silently change the block (this drafter keeps the un-normed hidden as residual).
+- EAGLE-3.1 (``DrafterConfig.fc_norm`` / ``norm_output`` / ``norm_before_fc``): written as the top-level config
+  keys of those names, and the norms' weights as ``fc_norm.{i}.weight`` / ``input_norm.weight``, in both formats:
+  what vLLM 0.32's ``llama_eagle3.py`` reads (its loader prefixes ``model.``, so they land on
+  ``model.fc_norm.{i}`` / ``model.input_norm``), and what speculators' eagle3 config carries (vLLM's
+  ``speculators/algos.py`` copies the three keys). A key is written only when on: vLLM reads a missing one as
+  off, and a drafter without the options exports byte for byte as before them. SGLang versions whose
+  ``LlamaForCausalLMEagle3`` predates them skip unknown weights silently, so export warns for that format.
 - The embedding. SGLang always replaces the drafter's embedding with the target's (``set_embed``); vLLM shares
   the target's when the checkpoint has none (or an identical one); the speculators library ignores a missing
   ``embed_tokens.weight`` on load and leaves it at its initial values, and its own converter adds the
@@ -274,9 +281,23 @@ def expected_tensors(
         "d2t": ((cfg.draft_vocab_size,), torch.int64),
         "t2d": ((cfg.vocab_size,), torch.bool),
     }
+    if cfg.norm_before_fc:
+        out["input_norm.weight"] = ((cfg.fc_in_features,), None)
+    if cfg.fc_norm:
+        for i in range(len(cfg.aux_layer_ids)):
+            out[f"fc_norm.{i}.weight"] = ((int(cfg.target_hidden_size),), None)
     if include_embedding:
         out[EMBED] = ((cfg.vocab_size, h), None)
     return out
+
+
+EAGLE31_KEYS = ("norm_before_fc", "fc_norm", "norm_output")
+"""Config keys of the EAGLE-3.1 options, as vLLM reads them (``DrafterConfig`` fields of the same names)."""
+
+
+def _eagle31_keys(c: DrafterConfig) -> dict[str, bool]:
+    """The options that are on, for the config (off ones are left out: vLLM's default is off)."""
+    return {k: True for k in EAGLE31_KEYS if getattr(c, k)}
 
 
 def check_tensors(
@@ -465,6 +486,7 @@ def sglang_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -
     }
     if cfg.vllm_aux_ids:
         out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in c.aux_layer_ids]
+    out.update(_eagle31_keys(c))
     return out
 
 
@@ -477,7 +499,7 @@ def speculators_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConf
         "transformer_layer_config": layer,
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": False,
-        "norm_before_fc": False,
+        "norm_before_fc": c.norm_before_fc,  # always written, as before the option (speculators reads it)
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.aux_layer_ids],
         "speculators_config": {
             "algorithm": "eagle3",
@@ -500,6 +522,7 @@ def speculators_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConf
     }
     if c.target_hidden_size != c.hidden_size:
         out["target_hidden_size"] = c.target_hidden_size
+    out.update({k: v for k, v in _eagle31_keys(c).items() if k != "norm_before_fc"})
     return out
 
 
@@ -579,6 +602,12 @@ def export(
             problems.append(str(e))
     if problems:
         raise ExportError("cannot export the drafter:\n  - " + "\n  - ".join(problems))
+    if cfg.fmt == "sglang" and _eagle31_keys(drafter.config):
+        log.warning(
+            "export: the drafter uses %s; vLLM reads them from config.json, but SGLang versions whose "
+            "LlamaForCausalLMEagle3 lacks them skip their weights and serve another drafter (check yours)",
+            ", ".join(_eagle31_keys(drafter.config)),
+        )
 
     dtype = _DTYPES[cfg.dtype]
     written = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
@@ -753,8 +782,6 @@ def _drafter_config_from(
                 f"{path}: norm_before_residual is {config.get('norm_before_residual')!r}; the eyas "
                 "drafter keeps the un-normed hidden as residual (needs an explicit false)"
             )
-        if config.get("norm_before_fc"):
-            raise ExportError(f"{path}: norm_before_fc drafters are not supported by the eyas drafter")
         layer = dict(config["transformer_layer_config"])
         aux = [int(i) - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
         draft_vocab = config["draft_vocab_size"]
@@ -787,6 +814,11 @@ def _drafter_config_from(
         rope["rope_theta"] = float(layer.get("rope_theta", 10000.0))
     rope = _clean_rope(rope)
     heads = int(layer["num_attention_heads"])
+    # as vLLM reads them: top-level keys (eagle_config's norm_before_fc first, NVIDIA's checkpoints put it there)
+    options = {k: bool(config.get(k, False)) for k in EAGLE31_KEYS}
+    options["norm_before_fc"] = bool(
+        (config.get("eagle_config") or {}).get("norm_before_fc", options["norm_before_fc"])
+    )
     try:
         return DrafterConfig(
             hidden_size=int(layer["hidden_size"]),
@@ -804,6 +836,7 @@ def _drafter_config_from(
             attention_bias=bool(layer.get("attention_bias", False)),
             embed_scale=float(sidecar.get("embed_scale", 1.0)),
             target_hidden_size=None if target_hidden is None else int(target_hidden),
+            **options,
         )
     except KeyError as e:
         raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e

@@ -53,6 +53,13 @@ class DraftModelConfig:
     (implied by ``init=target``)."""
     vocab_file: str | None = None
     """A JSON draft vocabulary written by :func:`train.vocab.DraftVocab.save`; None builds it from the data."""
+    fc_norm: bool = False
+    """EAGLE-3.1 (arXiv 2605.09992): an RMSNorm per aux layer before ``fc`` (``serving.drafter.DrafterConfig``);
+    exported in the config field and weight names vLLM reads."""
+    norm_output: bool = False
+    """EAGLE-3.1: each draft step passes ``norm(out)`` on to the next instead of the pre-norm ``out``."""
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated aux states before ``fc`` (speculators' gpt-oss option; vLLM reads it)."""
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1:
@@ -67,6 +74,15 @@ class DraftModelConfig:
             raise ValueError(f"drafter.init must be 'random' or 'target', not {self.init!r}")
         if self.init_layer is not None and self.init_layer < 0:
             raise ValueError(f"drafter.init_layer must be a layer index or null, not {self.init_layer}")
+
+    def identity(self) -> dict[str, Any]:
+        """All fields, but the EAGLE-3.1 options only when on, so the run keys of drafters without them (the
+        pipeline's ``train_key``) are those from before the options existed."""
+        d = asdict(self)
+        for key in ("fc_norm", "norm_output", "norm_before_fc"):
+            if not d[key]:
+                del d[key]
+        return d
 
 
 @dataclass

@@ -41,6 +41,13 @@ def build_drafter(target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 
     overrides: dict[str, Any] = {}
     if cfg.intermediate_size is not None:
         overrides["intermediate_size"] = cfg.intermediate_size
+    for option in (
+        "fc_norm",
+        "norm_output",
+        "norm_before_fc",
+    ):  # EAGLE-3.1's; absent from the config when off
+        if getattr(cfg, option):
+            overrides[option] = True
     dcfg = DrafterConfig.from_target(target.model.config, list(target.aux_layers), vocab.size, **overrides)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(dcfg)
