@@ -55,7 +55,9 @@ class DraftModelConfig:
     """A JSON draft vocabulary written by :func:`train.vocab.DraftVocab.save`; None builds it from the data."""
     fc_norm: bool = False
     """EAGLE-3.1 (arXiv 2605.09992): an RMSNorm per aux layer before ``fc`` (``serving.drafter.DrafterConfig``);
-    exported in the config field and weight names vLLM reads."""
+    exported in the config field and weight names vLLM reads. With ``init=target`` the identity ``fc`` then passes
+    the top aux state RMS-normalised: the layer's attention and MLP read it through their own norms, but the
+    residual carries the new scale, so step 0 no longer reproduces the target layer exactly."""
     norm_output: bool = False
     """EAGLE-3.1: each draft step passes ``norm(out)`` on to the next instead of the pre-norm ``out``."""
     norm_before_fc: bool = False
