@@ -30,8 +30,8 @@ Design decisions:
   same [N, V_draft] teacher table, so each works on the hidden and the top-k teachers alike, restricted to the
   draft vocabulary; training and evaluation use the same one (evaluation's ``loss`` is the objective's).
 - Loss = sum_j decay^j * sum_rows CE_j / ``normalizer`` (CE_j: the objective's per-row values). The normalizer
-  is the number of supervised tokens of the *whole* optimizer step (all micro-batches, all processes), so data-parallel and accumulated runs give
-  the gradient of one big batch, whatever the token counts per process.
+  is the number of supervised tokens of the *whole* optimizer step (all micro-batches, all processes), so
+  data-parallel and accumulated runs give the gradient of one big batch, whatever the token counts per process.
 - Simulated acceptance (see :class:`ChainCounts`): per-step teacher-forced accuracy gives
   ``tau_indep = 1 + sum_{k=1..K} prod_{j<k} acc_j``, which assumes acceptance at different depths is
   independent. ``tau_chain`` instead measures on each row the conditional acceptance at depth j given that

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from eyas.serving.drafter import Eagle3Drafter, load_trained_drafter, save_drafter_weights
 from eyas.serving.export import ExportConfig, describe_export, export, load_exported, round_trip_error
+from eyas.serving.models.drafter import Eagle3Drafter, load_trained_drafter, save_drafter_weights
 from eyas.train.config import DraftModelConfig
 from eyas.train.setup import build_drafter
 from eyas.train.vocab import DraftVocab
 
-from ..test_export import make_drafter, run_both, spec_for
+from .test_export import make_drafter, run_both, spec_for
 
 ALL_ON = dict(fc_norm=True, norm_output=True, norm_before_fc=True)
 EAGLE31 = dict(fc_norm=True, norm_output=True)  # the paper's pair
