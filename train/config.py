@@ -62,6 +62,12 @@ class DraftModelConfig:
     """EAGLE-3.1: each draft step passes ``norm(out)`` on to the next instead of the pre-norm ``out``."""
     norm_before_fc: bool = False
     """One RMSNorm over the concatenated aux states before ``fc`` (speculators' gpt-oss option; vLLM reads it)."""
+    parallel_drafting: bool = False
+    """P-EAGLE (arXiv 2602.01469): train a drafter whose draft depths 1..K-1 are mask rows, all drafted in one
+    forward (``serving.models.drafter``); ``train.ttt_steps`` is then the K it learns to draft."""
+    mask_token_id: int | None = None
+    """``parallel_drafting``: the target token id the mask rows carry; null: the target vocabulary's last id (the
+    rows learn what they mean through the drafter's ``mask_hidden``, not through this token's embedding)."""
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1:
@@ -76,13 +82,17 @@ class DraftModelConfig:
             raise ValueError(f"drafter.init must be 'random' or 'target', not {self.init!r}")
         if self.init_layer is not None and self.init_layer < 0:
             raise ValueError(f"drafter.init_layer must be a layer index or null, not {self.init_layer}")
+        if self.mask_token_id is not None and not self.parallel_drafting:
+            raise ValueError(
+                "drafter.mask_token_id is parallel drafting's mask token; set it null without it"
+            )
 
     def identity(self) -> dict[str, Any]:
-        """All fields, but the EAGLE-3.1 options only when on, so the run keys of drafters without them (the
-        pipeline's ``train_key``) are those from before the options existed."""
+        """All fields, but the EAGLE-3.1 and parallel-drafting options only when on, so the run keys of drafters
+        without them (the pipeline's ``train_key``) are those from before the options existed."""
         d = asdict(self)
-        for key in ("fc_norm", "norm_output", "norm_before_fc"):
-            if not d[key]:
+        for key in ("fc_norm", "norm_output", "norm_before_fc", "parallel_drafting", "mask_token_id"):
+            if d[key] is None or d[key] is False:
                 del d[key]
         return d
 

@@ -19,6 +19,12 @@ Design decisions:
   unchanged). ``norm_before_fc`` (one RMSNorm over the concatenated aux states, ``input_norm``; speculators'
   gpt-oss option) runs before ``fc_norm`` when both are on. Training and the bundled loop go through the same
   :meth:`Eagle3Drafter.fuse` and :meth:`Eagle3Drafter.step_output`, so they cannot diverge.
+- Parallel drafting (P-EAGLE, arXiv 2602.01469; ``DrafterConfig.parallel_drafting``), as vLLM 0.32 serves it:
+  draft depths 1..K-1 are *mask rows* appended after the context in the same forward: token
+  ``mask_token_id``, aux ``mask_hidden`` (a learned vector as wide as the aux states, fused by ``fc`` like a
+  context row's), positions continuing the context's. A mask row attends to the context and the mask rows before
+  it and reads nothing of the drafts before it, so K drafts cost one drafter forward. Training is the TTT unroll
+  with step j >= 1's rows made mask rows (same attention pattern: step 0's causal prefix plus the diagonal).
 - Draft vocabulary maps: ``target_id = draft_id + d2t[draft_id]``; ``t2d[target_id]`` is True for draft tokens.
 - The embedding is the target's, frozen, and not part of what training updates or export writes.
 """
@@ -84,6 +90,11 @@ class DrafterConfig:
     norm_before_fc: bool = False
     """One RMSNorm over the concatenated aux states before ``fc`` (``input_norm.weight``, ``n_aux *
     target_hidden_size`` wide; vLLM and speculators: ``norm_before_fc``). Applied before ``fc_norm``."""
+    parallel_drafting: bool = False
+    """P-EAGLE: draft depths 1..K-1 are mask rows drafted in the context's own forward (module docstring); the
+    learned aux vector is the ``mask_hidden`` weight (vLLM: ``parallel_drafting`` in the speculative config)."""
+    mask_token_id: int | None = None
+    """``parallel_drafting``: the target token id a mask row carries (vLLM: ``mask_token_id``)."""
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
@@ -102,6 +113,17 @@ class DrafterConfig:
             raise ValueError(f"drafter aux_layer_ids: {problem}")
         if "rope_type" not in self.rope_parameters:
             self.rope_parameters = {"rope_type": "default", **self.rope_parameters}
+        if self.parallel_drafting and not (
+            self.mask_token_id is not None and 0 <= int(self.mask_token_id) < self.vocab_size
+        ):
+            raise ValueError(
+                f"parallel drafting needs mask_token_id, a target token id in [0, {self.vocab_size}), not "
+                f"{self.mask_token_id!r}"
+            )
+        if self.mask_token_id is not None and not self.parallel_drafting:
+            raise ValueError(
+                "mask_token_id is the mask rows' token of parallel drafting; set it null without"
+            )
 
     @property
     def fc_in_features(self) -> int:
@@ -144,12 +166,12 @@ class DrafterConfig:
         without them stay byte-identical to those written before the options existed."""
         d = asdict(self)
         for key in _OFF_BY_DEFAULT:
-            if not d[key]:
+            if d[key] is None or d[key] is False:
                 del d[key]
         return d
 
 
-_OFF_BY_DEFAULT = ("fc_norm", "norm_output", "norm_before_fc")
+_OFF_BY_DEFAULT = ("fc_norm", "norm_output", "norm_before_fc", "parallel_drafting", "mask_token_id")
 
 
 def rope_parameters_of(c) -> dict[str, Any]:
@@ -354,6 +376,8 @@ class Eagle3Drafter(nn.Module):
         t2d[: cfg.draft_vocab_size] = True  # identity map until set_vocab_map
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
+        # P-EAGLE's mask rows carry this learned aux vector (zeros to start, as vLLM's buffer before loading)
+        self.mask_hidden = nn.Parameter(torch.zeros(cfg.fc_in_features)) if cfg.parallel_drafting else None
 
     # -- setup ------------------------------------------------------------------------------------------------
     def set_embedding(self, weight: torch.Tensor) -> None:
@@ -412,6 +436,15 @@ class Eagle3Drafter(nn.Module):
             chunks = x.chunk(len(self.fc_norm), dim=-1)  # [..., H_t] per aux layer
             x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(x)
+
+    def mask_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE's ``n`` mask rows: their token ids [n] and aux states [n, n_aux * H] (fused like a context's)."""
+        if self.mask_hidden is None:
+            raise ValueError("mask rows belong to parallel drafting; this drafter drafts autoregressively")
+        ids = torch.full(
+            (n,), int(self.config.mask_token_id), dtype=torch.long, device=self.mask_hidden.device
+        )
+        return ids, self.mask_hidden.expand(n, -1)
 
     def step_output(self, out: torch.Tensor) -> torch.Tensor:
         """The state a draft step passes on (next step's hidden input, what :meth:`logits` reads) from the block's
@@ -506,9 +539,15 @@ class Eagle3Drafter(nn.Module):
 
         hidden_out: list[torch.Tensor] = []
         valid_out: list[torch.Tensor] = []
+        parallel = self.config.parallel_drafting
+        if parallel and steps > 1:  # steps 1.. are mask rows: one token and one fused hidden for every row
+            mask_tok = torch.full_like(input_ids, int(self.config.mask_token_id))
+            mask_h = self.fuse(self.mask_hidden).to(h.dtype).expand(b, t, -1)  # [B, T, H]
         for j in range(steps):
             src = (rows + j + 1).clamp(max=t - 1)
             tok = input_ids[:, src]  # x_{t+j+1}
+            if parallel and j > 0:  # P-EAGLE: what step j reads does not depend on the drafts before it
+                tok, h = mask_tok, mask_h
             valid = (rows + j + 1 < t)[None, :] & (segment_ids[:, src] == segment_ids) & (segment_ids > 0)
             e = self.embed(tok).to(h.dtype)
             cos, sin = self.rotary(position_ids + j, h.dtype)
