@@ -162,8 +162,8 @@ class DrafterConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields, but the EAGLE-3.1 options only when on: checkpoints, identities and exports of drafters
-        without them stay byte-identical to those written before the options existed."""
+        """All fields, but the off-by-default options (EAGLE-3.1's, parallel drafting's) only when on: checkpoints,
+        identities and exports of drafters without them stay byte-identical to those from before the options."""
         d = asdict(self)
         for key in _OFF_BY_DEFAULT:
             if d[key] is None or d[key] is False:
