@@ -165,7 +165,7 @@ def train_key(store, dcfg, tcfg) -> str:
 
     optimizer = resolve_optimizer(tcfg.optimizer, deepspeed=deepspeed_launch())
     train = tcfg.identity(optimizer)
-    return json_hash({**store.manifest.data_identity(), "drafter": asdict(dcfg), "train": train})
+    return json_hash({**store.manifest.data_identity(), "drafter": dcfg.identity(), "train": train})
 
 
 def stage_train(store_dir: Path, dcfg, tcfg, target: Target, work_dir: Path, target_cfg: TargetConfig):

@@ -287,7 +287,9 @@ def vllm_command(
     python: str, target_dir: str, export_dir: str, k: int, port: int, cfg: EngineServerConfig
 ) -> list[str]:
     """The vLLM server with the export as its EAGLE-3 drafter, one request at a time like the bundled loop."""
-    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": int(k)}
+    from eyas.serving.export import export_is_parallel, vllm_speculative_config
+
+    spec = vllm_speculative_config(export_dir, k, export_is_parallel(export_dir))
     return vllm_server_command(python, target_dir, port, cfg, "--speculative-config", json.dumps(spec))
 
 

@@ -12,6 +12,20 @@ Design decisions (what each consumer does was read from its own model-loading co
   by default, vLLM-convention ids at the top level (the place vLLM reads first), so one directory serves both.
 - ``norm_before_residual: false`` is written explicitly in the speculators config: vLLM defaults a missing key
   to ``True``, which would silently change the block (this drafter keeps the un-normed hidden as residual).
+- EAGLE-3.1 (``DrafterConfig.fc_norm`` / ``norm_output`` / ``norm_before_fc``): written as the top-level config
+  keys of those names, and the norms' weights as ``fc_norm.{i}.weight`` / ``input_norm.weight``, in both formats:
+  what vLLM 0.32's ``llama_eagle3.py`` reads (its loader prefixes ``model.``, so they land on
+  ``model.fc_norm.{i}`` / ``model.input_norm``), and what speculators' eagle3 config carries (vLLM's
+  ``speculators/algos.py`` copies the three keys). A key is written only when on: vLLM reads a missing one as
+  off, and a drafter without the options exports byte for byte as before them. SGLang versions whose
+  ``LlamaForCausalLMEagle3`` predates them skip unknown weights silently, so export warns for that format.
+- Parallel drafting (P-EAGLE, ``DrafterConfig.parallel_drafting``): the learned mask aux vector is the tensor
+  ``mask_hidden`` (vLLM 0.32's ``Eagle3LlamaForCausalLM.load_weights`` copies it into its buffer of that name)
+  and the mask token is the config's ``mask_token_id`` (what vLLM's proposer reads). vLLM drafts in parallel
+  when its speculative config says ``parallel_drafting: true``, which the recorded vLLM command line carries; the
+  speculators format says ``speculators_model_type: "peagle"`` instead, which vLLM turns into the same (its
+  ``update_peagle`` carries ``norm_before_fc`` but not ``fc_norm`` / ``norm_output``, so those are refused
+  there). SGLang has no parallel drafting: no SGLang command is recorded for such an export.
 - The embedding. SGLang always replaces the drafter's embedding with the target's (``set_embed``); vLLM shares
   the target's when the checkpoint has none (or an identical one); the speculators library ignores a missing
   ``embed_tokens.weight`` on load and leaves it at its initial values, and its own converter adds the
@@ -274,9 +288,32 @@ def expected_tensors(
         "d2t": ((cfg.draft_vocab_size,), torch.int64),
         "t2d": ((cfg.vocab_size,), torch.bool),
     }
+    if cfg.parallel_drafting:
+        out["mask_hidden"] = ((cfg.fc_in_features,), None)
+    if cfg.norm_before_fc:
+        out["input_norm.weight"] = ((cfg.fc_in_features,), None)
+    if cfg.fc_norm:
+        for i in range(len(cfg.aux_layer_ids)):
+            out[f"fc_norm.{i}.weight"] = ((int(cfg.target_hidden_size),), None)
     if include_embedding:
         out[EMBED] = ((cfg.vocab_size, h), None)
     return out
+
+
+EAGLE31_KEYS = ("norm_before_fc", "fc_norm", "norm_output")
+"""Config keys of the EAGLE-3.1 options, as vLLM reads them (``DrafterConfig`` fields of the same names)."""
+
+
+def _eagle31_keys(c: DrafterConfig) -> dict[str, bool]:
+    """The options that are on, for the config (off ones are left out: vLLM's default is off)."""
+    return {k: True for k in EAGLE31_KEYS if getattr(c, k)}
+
+
+def _parallel_keys(c: DrafterConfig) -> dict[str, Any]:
+    """A parallel drafter's config keys (none for an autoregressive one)."""
+    if not c.parallel_drafting:
+        return {}
+    return {"parallel_drafting": True, "mask_token_id": int(c.mask_token_id)}
 
 
 def check_tensors(
@@ -388,6 +425,11 @@ def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportCon
         )
     if str(c.rope_parameters.get("rope_type", "default")).startswith("dynamic"):
         problems.append("dynamic rope scaling cannot be exported")
+    if cfg.fmt == "speculators" and c.parallel_drafting and (c.fc_norm or c.norm_output):
+        problems.append(
+            "vLLM's peagle speculators config drops fc_norm and norm_output (update_peagle): export this "
+            "parallel drafter in the sglang format, which vLLM also serves"
+        )
     return problems
 
 
@@ -465,6 +507,8 @@ def sglang_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -
     }
     if cfg.vllm_aux_ids:
         out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in c.aux_layer_ids]
+    out.update(_eagle31_keys(c))
+    out.update(_parallel_keys(c))
     return out
 
 
@@ -477,7 +521,7 @@ def speculators_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConf
         "transformer_layer_config": layer,
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": False,
-        "norm_before_fc": False,
+        "norm_before_fc": c.norm_before_fc,  # always written, as before the option (speculators reads it)
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.aux_layer_ids],
         "speculators_config": {
             "algorithm": "eagle3",
@@ -500,6 +544,10 @@ def speculators_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConf
     }
     if c.target_hidden_size != c.hidden_size:
         out["target_hidden_size"] = c.target_hidden_size
+    out.update({k: v for k, v in _eagle31_keys(c).items() if k != "norm_before_fc"})
+    if c.parallel_drafting:  # vLLM's update_peagle: architecture, parallel drafting and pard_token from these
+        out["speculators_model_type"] = out["speculators_config"]["algorithm"] = "peagle"
+        out["mask_token_id"] = int(c.mask_token_id)
     return out
 
 
@@ -579,6 +627,12 @@ def export(
             problems.append(str(e))
     if problems:
         raise ExportError("cannot export the drafter:\n  - " + "\n  - ".join(problems))
+    if cfg.fmt == "sglang" and _eagle31_keys(drafter.config):
+        log.warning(
+            "export: the drafter uses %s; vLLM reads them from config.json, but SGLang versions whose "
+            "LlamaForCausalLMEagle3 lacks them skip their weights and serve another drafter (check yours)",
+            ", ".join(_eagle31_keys(drafter.config)),
+        )
 
     dtype = _DTYPES[cfg.dtype]
     written = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
@@ -595,7 +649,11 @@ def export(
         "embedding_included": include,
         "drafter_config": drafter.config.to_dict(),
         "serve": serving_block(
-            out, spec.source or spec.name, cfg.speculative_tokens, "export.speculative_tokens"
+            out,
+            spec.source or spec.name,
+            cfg.speculative_tokens,
+            "export.speculative_tokens",
+            parallel=drafter.config.parallel_drafting,
         ),
     }
     if record is not None:
@@ -613,27 +671,50 @@ def export(
     )
 
 
-def serving_commands(export_dir: str | os.PathLike, target_ref: str, k: int) -> dict[str, str]:
+def vllm_speculative_config(export_dir: str | os.PathLike, k: int, parallel: bool = False) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for the export at ``export_dir`` drafting ``k`` tokens a step (a parallel
+    drafter's K in one forward: ``parallel_drafting``)."""
+    spec: dict[str, Any] = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": int(k)}
+    if parallel:
+        spec["parallel_drafting"] = True
+    return spec
+
+
+def export_is_parallel(export_dir: str | os.PathLike) -> bool:
+    """Whether the export at ``export_dir`` holds a parallel-drafting (P-EAGLE) drafter (False where it holds no
+    config: the server that is handed it says what is missing)."""
+    path = Path(export_dir) / CONFIG
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    return bool(config.get("parallel_drafting")) or config.get("speculators_model_type") == "peagle"
+
+
+def serving_commands(
+    export_dir: str | os.PathLike, target_ref: str, k: int, parallel: bool = False
+) -> dict[str, str]:
     """The vLLM and SGLang command lines that serve ``target_ref`` with the export at ``export_dir`` as its
-    EAGLE-3 drafter, drafting a chain of ``k`` tokens per step."""
+    EAGLE-3 drafter, drafting a chain of ``k`` tokens per step (vLLM's only for a parallel drafter)."""
     d = str(Path(export_dir).resolve())
-    spec = json.dumps({"method": "eagle3", "model": d, "num_speculative_tokens": k}, separators=(",", ":"))
-    return {
-        "vllm": f"vllm serve {shlex.quote(target_ref)} --speculative-config {shlex.quote(spec)}",
-        "sglang": (
+    spec = json.dumps(vllm_speculative_config(d, k, parallel), separators=(",", ":"))
+    commands = {"vllm": f"vllm serve {shlex.quote(target_ref)} --speculative-config {shlex.quote(spec)}"}
+    if not parallel:
+        commands["sglang"] = (
             f"python -m sglang.launch_server --model-path {shlex.quote(target_ref)} "
             f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(d)} "
             f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
-        ),
-    }
+        )
+    return commands
 
 
-def serving_block(export_dir: str | os.PathLike, target_ref: str, k: int, source: str) -> dict[str, Any]:
+def serving_block(
+    export_dir: str | os.PathLike, target_ref: str, k: int, source: str, parallel: bool = False
+) -> dict[str, Any]:
     """``eyas_export.json``'s ``serve`` entry: the chain length, where it came from, and the command lines (none
     when ``k`` is 0, i.e. when plain decoding was measured faster than any chain)."""
     block: dict[str, Any] = {"num_speculative_tokens": k, "source": source, "target": target_ref}
     if k > 0:
-        block["commands"] = serving_commands(export_dir, target_ref, k)
+        block["commands"] = serving_commands(export_dir, target_ref, k, parallel)
     else:
         block["note"] = "plain decoding was predicted faster than any chain length on the evaluated prompts"
     return block
@@ -647,7 +728,8 @@ def record_serving(export_dir: str | os.PathLike, k: int, source: str) -> dict[s
     target_ref = (sidecar.get("serve") or {}).get("target") or sidecar.get("target", {}).get(
         "name", "<target>"
     )
-    sidecar["serve"] = serving_block(d, target_ref, k, source)
+    parallel = bool((sidecar.get("drafter_config") or {}).get("parallel_drafting"))
+    sidecar["serve"] = serving_block(d, target_ref, k, source, parallel=parallel)
     atomic_write_bytes(d / EYAS_SIDECAR, (json.dumps(sidecar, indent=2, default=str) + "\n").encode())
     os.chmod(d / EYAS_SIDECAR, 0o644)  # as export wrote it, whatever the umask
     return sidecar["serve"]
@@ -753,8 +835,6 @@ def _drafter_config_from(
                 f"{path}: norm_before_residual is {config.get('norm_before_residual')!r}; the eyas "
                 "drafter keeps the un-normed hidden as residual (needs an explicit false)"
             )
-        if config.get("norm_before_fc"):
-            raise ExportError(f"{path}: norm_before_fc drafters are not supported by the eyas drafter")
         layer = dict(config["transformer_layer_config"])
         aux = [int(i) - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
         draft_vocab = config["draft_vocab_size"]
@@ -787,6 +867,13 @@ def _drafter_config_from(
         rope["rope_theta"] = float(layer.get("rope_theta", 10000.0))
     rope = _clean_rope(rope)
     heads = int(layer["num_attention_heads"])
+    # as vLLM reads them: top-level keys (eagle_config's norm_before_fc first, NVIDIA's checkpoints put it there)
+    options = {k: bool(config.get(k, False)) for k in EAGLE31_KEYS}
+    options["norm_before_fc"] = bool(
+        (config.get("eagle_config") or {}).get("norm_before_fc", options["norm_before_fc"])
+    )
+    if config.get("parallel_drafting") or config.get("speculators_model_type") == "peagle":
+        options.update(parallel_drafting=True, mask_token_id=config.get("mask_token_id"))
     try:
         return DrafterConfig(
             hidden_size=int(layer["hidden_size"]),
@@ -804,6 +891,7 @@ def _drafter_config_from(
             attention_bias=bool(layer.get("attention_bias", False)),
             embed_scale=float(sidecar.get("embed_scale", 1.0)),
             target_hidden_size=None if target_hidden is None else int(target_hidden),
+            **options,
         )
     except KeyError as e:
         raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e

@@ -45,9 +45,10 @@ def export_format(config: dict[str, Any]) -> str | None:
 
     Raises :class:`DrafterLoadError` for a speculators config of another model type."""
     if "speculators_model_type" in config:
-        if config["speculators_model_type"] != "eagle3":
+        if config["speculators_model_type"] not in ("eagle3", "peagle"):
             raise DrafterLoadError(
-                f"speculators model type {config['speculators_model_type']!r} is not eagle3"
+                f"speculators model type {config['speculators_model_type']!r} is not eagle3 (or peagle, its "
+                "parallel-drafting form)"
             )
         return "speculators"
     if SGLANG_ARCH in (config.get("architectures") or []):

@@ -12,6 +12,10 @@ Design decisions:
   the last row is the new pending token) over whatever draft rows occupied those slots. The last row's output
   is the first draft distribution of the next step, so a step costs one context forward plus one drafter
   forward per further draft depth. Draft rows live at slots past the committed length and are never kept.
+- A parallel-drafting drafter (P-EAGLE, ``DrafterConfig.parallel_drafting``) appends its K - 1 mask rows to the
+  context forward of :meth:`Eagle3Proposer.accept` (written past the committed length, never kept, as vLLM does),
+  so its K draft distributions come out of that one forward and :meth:`Eagle3Proposer.propose` runs no drafter
+  at all. It drafts chains only (a tree needs each depth to condition on the draft before it).
 - Chain drafts are sampled from ``q = warp(draft logits)`` when sampling (so the rejection rule is lossless with
   the real ``q``) and are the argmax when greedy. Trees are EAGLE-2 dynamic trees built from the draft
   log-probabilities (deterministic top-k, verified as point masses).
@@ -177,6 +181,7 @@ class Eagle3Proposer:
         self.cache: SlotCache | None = None
         self._hidden: torch.Tensor | None = None  # [1, 1, H] output of the last context row
         self._logits: torch.Tensor | None = None  # [draft_vocab] its logits: the first draft distribution
+        self._parallel: torch.Tensor | None = None  # [K, draft_vocab] a parallel drafter's K draft logits
         # [draft_vocab] target id of each draft id (re-read in reset: the vocab map may be installed later)
         self._to_target = drafter.draft_to_target
 
@@ -208,7 +213,7 @@ class Eagle3Proposer:
         if self.cache is None or self.cache.max_len < max_len + room:
             self.cache = self.drafter.new_cache(max_len + room)
         self.cache.reset()
-        self._hidden = self._logits = None
+        self._hidden = self._logits = self._parallel = None
         self._to_target = self.drafter.draft_to_target
 
     # -- following the target ---------------------------------------------------------------------------------
@@ -222,21 +227,28 @@ class Eagle3Proposer:
             )
         dev = self.drafter.fc.weight.device
         ids = torch.cat([accepted.tokens[1:], accepted.next_token.reshape(1)]).to(dev)  # x_{r+1} for row r
-        pos = torch.arange(start, start + m, device=dev)
-        mask = torch.ones(m, start + m, dtype=torch.bool, device=dev).tril(diagonal=start)  # causal over rows
-        cache.prepare(pos, start + m)
+        aux = accepted.aux.to(dev)
+        n = m  # rows in this forward: the context, then a parallel drafter's mask rows
+        if self.drafter.config.parallel_drafting:
+            mask_ids, mask_aux = self.drafter.mask_rows(self.cfg.chain_length - 1)
+            ids, aux = torch.cat([ids, mask_ids]), torch.cat([aux, mask_aux.to(aux.dtype)])
+            n += mask_ids.numel()
+        pos = torch.arange(start, start + n, device=dev)
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=dev).tril(diagonal=start)  # causal over rows
+        cache.prepare(pos, start + n)
         out = self.drafter(
             ids[None],
-            accepted.aux[None].to(dev),
+            aux[None],
             pos[None],
             cache,
             mask[None, None],
             hidden_is_aux=True,
-            logits="last",
+            logits="last" if n == m else "all",
         )
-        cache.commit(m)
-        self._hidden = out.hidden[:, -1:]
-        self._logits = out.logits[0, -1]
+        cache.commit(m)  # the mask rows' slots are overwritten by the next context
+        self._hidden = out.hidden[:, m - 1 : m]
+        self._logits = out.logits[0, -1 if n == m else m - 1]
+        self._parallel = out.logits[0, m - 1 :] if n > m else None
 
     # -- drafting ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -244,6 +256,11 @@ class Eagle3Proposer:
         if self._logits is None or self.cache.length != ctx.length:
             raise RuntimeError("Eagle3Proposer.propose before accept() of the committed context")
         if ctx.mode == "tree":
+            if self._parallel is not None:
+                raise ValueError(
+                    "a parallel-drafting (P-EAGLE) drafter drafts chains only; use mode=chain or an "
+                    "autoregressive EAGLE-3 drafter for trees"
+                )
             return self._propose_tree(ctx)
         return self._propose_chain(ctx)
 
@@ -276,6 +293,9 @@ class Eagle3Proposer:
             draft_ids.append(d)
             if j == k - 1:
                 break
+            if self._parallel is not None:  # P-EAGLE: depth j + 1 was drafted in accept's forward
+                logits = self._parallel[j + 1]
+                continue
             # draft row j + 1 sits at position L + j: hidden = previous row's output, token = this draft
             slot = torch.tensor([length + j], device=dev)
             mask = torch.ones(1, length + j + 1, dtype=torch.bool, device=dev)

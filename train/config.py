@@ -19,6 +19,7 @@ import torch
 
 from eyas.common import ConfigError, build_config
 from eyas.serving.models.target import TargetConfig
+from eyas.train.losses import LOSSES
 from eyas.train.optim import OPTIMIZERS
 
 TEACHERS = ("auto", "hidden", "topk")
@@ -52,6 +53,21 @@ class DraftModelConfig:
     (implied by ``init=target``)."""
     vocab_file: str | None = None
     """A JSON draft vocabulary written by :func:`train.vocab.DraftVocab.save`; None builds it from the data."""
+    fc_norm: bool = False
+    """EAGLE-3.1 (arXiv 2605.09992): an RMSNorm per aux layer before ``fc`` (``serving.drafter.DrafterConfig``);
+    exported in the config field and weight names vLLM reads. With ``init=target`` the identity ``fc`` then passes
+    the top aux state RMS-normalised: the layer's attention and MLP read it through their own norms, but the
+    residual carries the new scale, so step 0 no longer reproduces the target layer exactly."""
+    norm_output: bool = False
+    """EAGLE-3.1: each draft step passes ``norm(out)`` on to the next instead of the pre-norm ``out``."""
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated aux states before ``fc`` (speculators' gpt-oss option; vLLM reads it)."""
+    parallel_drafting: bool = False
+    """P-EAGLE (arXiv 2602.01469): train a drafter whose draft depths 1..K-1 are mask rows, all drafted in one
+    forward (``serving.models.drafter``); ``train.ttt_steps`` is then the K it learns to draft."""
+    mask_token_id: int | None = None
+    """``parallel_drafting``: the target token id the mask rows carry; null: the target vocabulary's last id (the
+    rows learn what they mean through the drafter's ``mask_hidden``, not through this token's embedding)."""
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1:
@@ -66,6 +82,19 @@ class DraftModelConfig:
             raise ValueError(f"drafter.init must be 'random' or 'target', not {self.init!r}")
         if self.init_layer is not None and self.init_layer < 0:
             raise ValueError(f"drafter.init_layer must be a layer index or null, not {self.init_layer}")
+        if self.mask_token_id is not None and not self.parallel_drafting:
+            raise ValueError(
+                "drafter.mask_token_id is parallel drafting's mask token; set it null without it"
+            )
+
+    def identity(self) -> dict[str, Any]:
+        """All fields, but the EAGLE-3.1 and parallel-drafting options only when on, so the run keys of drafters
+        without them (the pipeline's ``train_key``) are those from before the options existed."""
+        d = asdict(self)
+        for key in ("fc_norm", "norm_output", "norm_before_fc", "parallel_drafting", "mask_token_id"):
+            if d[key] is None or d[key] is False:
+                del d[key]
+        return d
 
 
 @dataclass
@@ -240,6 +269,15 @@ class TrainConfig:
     """Weight of the feature term (``train.losses.DistillationModel``): each TTT step's output pulled towards the
     fused features of the position it stands in for at the next step. 0 (the default) leaves the distribution
     loss alone."""
+    loss: str = "fkl"
+    """The per-row objective of the distillation (``train.losses.OBJECTIVES``), each against the teacher restricted
+    to the draft vocabulary, on hidden and top-k teachers alike: ``fkl`` (the default: soft cross-entropy, forward
+    KL's gradient), ``rkl`` (reverse KL), ``jsd`` (Jensen-Shannon), ``tv`` (total variation, 1 - alpha with
+    alpha = sum_v min(p_v, q_v) the acceptance rate), ``lk`` (-log alpha, LK's acceptance loss, arXiv 2602.23881),
+    ``lk_hybrid`` (lam * KL + (1 - lam) * TV, see ``loss_weight``)."""
+    loss_weight: float | None = None
+    """``loss=lk_hybrid`` only: the KL part's weight lam in [0, 1]; null: the paper's adaptive weight per row,
+    ``exp(-3 alpha)`` (alpha detached; ``train.losses.LK_ETA``)."""
     miss_weight: float = 0.0
     """Extra loss weight of the rows a served greedy chain starts from: row ``t`` weighs ``1 + miss_weight`` when
     the drafter's step 0 at row ``t - 1`` missed (``train.losses.ttt_loss``). 0 (the default): every row alike."""
@@ -317,6 +355,16 @@ class TrainConfig:
             raise ValueError(f"train.teacher_temperature must be > 0, not {self.teacher_temperature}")
         if not self.feature_weight >= 0:
             raise ValueError(f"train.feature_weight must be >= 0, not {self.feature_weight}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"train.loss must be one of {LOSSES}, not {self.loss!r}")
+        if self.loss_weight is not None:
+            if self.loss != "lk_hybrid":
+                raise ValueError(
+                    f"train.loss_weight weighs lk_hybrid's KL part; train.loss={self.loss} has none (set it null)"
+                )
+            if not 0.0 <= self.loss_weight <= 1.0:
+                raise ValueError(f"train.loss_weight must be in [0, 1] or null, not {self.loss_weight}")
+            self.loss_weight = float(self.loss_weight)
         if not self.miss_weight >= 0:
             raise ValueError(f"train.miss_weight must be >= 0, not {self.miss_weight}")
         if self.oov_rule not in OOV_RULES:
@@ -369,6 +417,10 @@ class TrainConfig:
             del d["feature_weight"]  # likewise
         if not d["miss_weight"]:
             del d["miss_weight"]  # likewise
+        if d["loss"] == "fkl":
+            del d["loss"]  # likewise
+        if d["loss_weight"] is None:
+            del d["loss_weight"]  # likewise
         if d["muon_lr"] is None or d["optimizer"] == "adamw":
             del d["muon_lr"]  # likewise; AdamW (auto under DeepSpeed) has no Muon part to apply it to
         if d["optimizer"] == "adamw":

@@ -436,6 +436,8 @@ def fit(
         bf16_head=cfg.bf16_lm_head,
         feature_weight=cfg.feature_weight,
         miss_weight=cfg.miss_weight,
+        loss=cfg.loss,
+        loss_weight=cfg.loss_weight,
     )
     optimizer = build_optimizer(
         model,

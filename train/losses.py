@@ -24,9 +24,14 @@ Design decisions:
   [N, V_draft] teacher table is built once per batch (out-of-vocabulary rows removed) and never gathered per
   step; rows that fall outside their sample at step j get weight 0. Soft cross-entropy is one fused autograd
   function (max/argmax, exp, one dot product) that keeps only ``softmax - p`` for the backward.
-- Loss = sum_j decay^j * sum_rows CE_j / ``normalizer``. The normalizer is the number of supervised tokens of
-  the *whole* optimizer step (all micro-batches, all processes), so data-parallel and accumulated runs give
-  the gradient of one big batch, whatever the token counts per process.
+- The per-row objective is a choice (``train.loss``, :data:`OBJECTIVES`, all in one place): soft cross-entropy
+  (``fkl``, the default: forward KL's gradient), reverse KL, Jensen-Shannon, total variation (1 - acceptance
+  rate), the LK acceptance loss ``-log alpha`` and LK's hybrid of KL and TV (arXiv 2602.23881). Each reads the
+  same [N, V_draft] teacher table, so each works on the hidden and the top-k teachers alike, restricted to the
+  draft vocabulary; training and evaluation use the same one (evaluation's ``loss`` is the objective's).
+- Loss = sum_j decay^j * sum_rows CE_j / ``normalizer`` (CE_j: the objective's per-row values). The normalizer
+  is the number of supervised tokens of the *whole* optimizer step (all micro-batches, all processes), so
+  data-parallel and accumulated runs give the gradient of one big batch, whatever the token counts per process.
 - Simulated acceptance (see :class:`ChainCounts`): per-step teacher-forced accuracy gives
   ``tau_indep = 1 + sum_{k=1..K} prod_{j<k} acc_j``, which assumes acceptance at different depths is
   independent. ``tau_chain`` instead measures on each row the conditional acceptance at depth j given that
@@ -258,6 +263,93 @@ def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tenso
     return soft_cross_entropy_argmax(logits, probs)[0]
 
 
+# -- the objectives ---------------------------------------------------------------------------------------------
+# Each is a per-row loss of the drafter's logits z [M, V] against the teacher's probabilities p [M, V] over the
+# draft vocabulary (rows sum to 1; a top-k teacher is zero outside its k tokens, a hidden one only where the
+# softmax underflows). q = softmax(z); alpha = sum_v min(p_v, q_v) is the acceptance rate of a draft sampled from
+# q against a target sampled from p, i.e. 1 - TV(p, q) (what served chains accept, arXiv 2602.23881).
+_TINY = 1e-30  # floor under alpha and under the mixture of jsd: both are positive but may underflow
+P_FLOOR = 1e-8
+"""``rkl`` takes ``log p`` at ``log(max(p, P_FLOOR))``: a top-k teacher is zero outside its k tokens, where reverse
+KL would be infinite for any drafter (whose softmax is never zero); with the floor, mass there costs
+``q_v * (log q_v - log P_FLOOR)``, a finite and steep pull off the tokens the teacher does not name."""
+LK_ETA = 3.0
+"""``lk_hybrid`` with ``train.loss_weight`` unset: the KL weight per row is ``exp(-LK_ETA * alpha)`` (alpha
+detached), the paper's adaptive weight at its eta: KL's strong gradient while the drafter is far from the
+teacher, TV's acceptance-aligned one as alpha grows."""
+
+
+def _wide(z: torch.Tensor) -> torch.Tensor:
+    """fp32 at least (fp64 stays fp64, for the gradient tests)."""
+    return z if z.dtype == torch.float64 else z.float()
+
+
+def _fkl(z, p, weight):
+    # soft cross-entropy -sum p log q = KL(p || q) + H(p): H(p) is constant in the drafter, so its gradient is
+    # KL's (q - p); the fused function keeps one [M, V] buffer for the backward
+    return _SoftCrossEntropy.apply(_wide(z), p.to(_wide(z).dtype))[0]
+
+
+def _rkl(z, p, weight):
+    lq = torch.log_softmax(_wide(z), -1)  # KL(q || p) = sum q (log q - log p)
+    return (lq.exp() * (lq - p.clamp_min(P_FLOOR).log())).sum(-1)
+
+
+def _jsd(z, p, weight):
+    lq = torch.log_softmax(_wide(z), -1)  # (KL(p || m) + KL(q || m)) / 2, m = (p + q) / 2
+    q = lq.exp()
+    lm = ((p + q) * 0.5).clamp_min(_TINY).log()
+    return 0.5 * ((torch.xlogy(p, p) - p * lm).sum(-1) + (q * (lq - lm)).sum(-1))
+
+
+def _alpha(z, p):
+    return torch.minimum(p, torch.softmax(_wide(z), -1)).sum(-1)
+
+
+def _tv(z, p, weight):
+    return 1.0 - _alpha(z, p)  # TV(p, q) = sum |p - q| / 2 = 1 - alpha
+
+
+def _lk(z, p, weight):
+    return -_alpha(z, p).clamp_min(_TINY).log()  # gradient (1 / alpha) * TV's: TV's direction, KL-like size
+
+
+def _lk_hybrid(z, p, weight):
+    lq = torch.log_softmax(_wide(z), -1)  # lam KL(p || q) + (1 - lam) TV(p, q)
+    alpha = torch.minimum(p, lq.exp()).sum(-1)
+    kl = (torch.xlogy(p, p) - p * lq).sum(-1)
+    lam = torch.exp(-LK_ETA * alpha.detach()) if weight is None else weight
+    return lam * kl + (1.0 - lam) * (1.0 - alpha)
+
+
+OBJECTIVES = {
+    "fkl": _fkl,
+    "rkl": _rkl,
+    "jsd": _jsd,
+    "tv": _tv,
+    "lk": _lk,
+    "lk_hybrid": _lk_hybrid,
+}
+"""``train.loss`` name -> per-row loss ``f(logits [M, V], probs [M, V], weight) -> [M]`` (``weight``:
+``train.loss_weight``, read by ``lk_hybrid`` only). ``fkl`` is today's soft cross-entropy (forward KL's gradient)."""
+LOSSES = tuple(OBJECTIVES)
+
+
+def objective_argmax(
+    logits: torch.Tensor, probs: torch.Tensor, loss: str = "fkl", weight: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss ``loss`` (:data:`OBJECTIVES`) and ``argmax_i z_i`` for logits [M, V] and probabilities [M, V]."""
+    if loss == "fkl":
+        return soft_cross_entropy_argmax(logits, probs)
+    if logits.shape != probs.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and teacher probabilities {tuple(probs.shape)} differ"
+        )
+    if loss not in OBJECTIVES:
+        raise ValueError(f"unknown loss {loss!r}; choose one of {LOSSES}")
+    return OBJECTIVES[loss](logits, probs.to(_wide(logits).dtype), weight), logits.detach().argmax(-1)
+
+
 # -- the TTT loss -----------------------------------------------------------------------------------------------
 @dataclass
 class ChainCounts:
@@ -335,7 +427,7 @@ class LossOutput:
     """One micro-batch's loss and statistics (sums, so they add across micro-batches and processes)."""
 
     loss: torch.Tensor  # scalar: sum_j w_j CE_sum_j / normalizer (what backward runs on)
-    ce_sum: torch.Tensor  # [K] detached, over in-vocabulary loss rows
+    ce_sum: torch.Tensor  # [K] detached, over in-vocabulary loss rows: the objective's sum (soft CE for fkl)
     count: torch.Tensor  # [K] loss rows per step
     correct: torch.Tensor  # [K] loss rows whose draft argmax == teacher draft argmax
     chain: ChainCounts | None = None
@@ -360,9 +452,12 @@ def ttt_loss(
     normalizer: torch.Tensor | float,
     with_chain: bool = False,
     miss_weight: float = 0.0,
+    loss: str = "fkl",
+    loss_weight: float | None = None,
 ) -> LossOutput:
-    """The weighted soft cross-entropy of a TTT unroll (see the module docstring); ``with_chain`` also scores the
-    out-of-vocabulary rows and returns the acceptance counts (evaluation).
+    """The weighted per-row objective ``loss`` (:data:`OBJECTIVES`; soft cross-entropy by default) of a TTT
+    unroll (see the module docstring); ``with_chain`` also scores the out-of-vocabulary rows and returns the
+    acceptance counts (evaluation).
 
     ``miss_weight`` > 0 (training only) weighs the rows a served chain starts from more: drafter row ``t`` gets
     ``1 + miss_weight`` at every step when step 0 of row ``t - 1`` missed ``x_{t+1}``, since a greedy chain is
@@ -372,7 +467,7 @@ def ttt_loss(
     if len(step_weights) != k:
         raise ValueError(f"{len(step_weights)} step weights for {k} TTT steps")
     if with_chain:
-        return _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer)
+        return _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer, loss, loss_weight)
     dev = input_ids.device
     # Rows are taken in teacher order: at step j, teacher row n (position p_n) is predicted by drafter row
     # t_n = p_n - j - 1, so the teacher table is never gathered per step (it is the big [N, V_draft] tensor).
@@ -382,7 +477,7 @@ def ttt_loss(
     for j in range(k):
         t_c, w = _step_rows(out, teacher, j)
         z = drafter.logits(out.hidden[j][teacher.row_b, t_c])  # [N, Vd] fp32 (rows with w = 0 cost little)
-        ce, top = soft_cross_entropy_argmax(z, teacher.probs)
+        ce, top = objective_argmax(z, teacher.probs, loss, loss_weight)
         if miss_weight > 0:
             if after_miss is None:  # step 0: teacher row at position p is drafter row p - 1's target
                 miss = w & ~((top == teacher.draft_argmax) & teacher.argmax_in_draft)
@@ -402,7 +497,9 @@ def ttt_loss(
     )
 
 
-def _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer) -> LossOutput:
+def _loss_with_chain(
+    drafter, out, teacher, input_ids, step_weights, normalizer, loss="fkl", loss_weight=None
+) -> LossOutput:
     """Evaluation: every supervised row is scored (out-of-vocabulary teacher tokens as misses), per row."""
     b, t = input_ids.shape
     k = len(out.hidden)
@@ -420,7 +517,7 @@ def _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer)
         z = drafter.logits(h)  # [M, Vd] fp32
         trow = tix[rows]  # [M]
         ok = teacher.in_vocab[trow]
-        ce, top = soft_cross_entropy_argmax(z, teacher.probs[trow])
+        ce, top = objective_argmax(z, teacher.probs[trow], loss, loss_weight)
         # a hit needs the target's own argmax to be a draft token: with oov_rule=label a row can carry loss
         # (its data token is a draft token) while the argmax is not, and the served draft is then always rejected
         hit = (top == teacher.draft_argmax[trow]) & ok & teacher.argmax_in_draft[trow]
@@ -488,6 +585,9 @@ class DistillationModel(nn.Module):
     row ``t`` is fed to the next step as the hidden of position ``t + j + 1``, where a context row carries
     ``fc(aux)``; the term pulls the one towards the other (both RMS-normalised, the target side detached), a
     dense signal per token beside the distribution's, in the spirit of EAGLE-1's feature regression.
+
+    ``loss`` picks the per-row objective of training and evaluation (:data:`OBJECTIVES`, ``train.loss``);
+    ``loss_weight`` is ``lk_hybrid``'s KL weight (``train.loss_weight``).
     """
 
     def __init__(
@@ -497,13 +597,19 @@ class DistillationModel(nn.Module):
         bf16_head: bool = False,
         feature_weight: float = 0.0,
         miss_weight: float = 0.0,
+        loss: str = "fkl",
+        loss_weight: float | None = None,
     ):
         super().__init__()
+        if loss not in OBJECTIVES:
+            raise ValueError(f"unknown loss {loss!r}; choose one of {LOSSES}")
         self.drafter = drafter
         self.step_weights = list(step_weights)
         self.bf16_head = bf16_head
         self.feature_weight = float(feature_weight)
         self.miss_weight = float(miss_weight)
+        self.loss = loss
+        self.loss_weight = loss_weight
 
     def forward(
         self,
@@ -533,6 +639,8 @@ class DistillationModel(nn.Module):
                 normalizer,
                 with_chain,
                 miss_weight=0.0 if with_chain else self.miss_weight,
+                loss=self.loss,
+                loss_weight=self.loss_weight,
             )
         if self.feature_weight > 0 and not with_chain:
             feat = feature_loss(out, teacher, self.step_weights)

@@ -41,6 +41,13 @@ def build_drafter(target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 
     overrides: dict[str, Any] = {}
     if cfg.intermediate_size is not None:
         overrides["intermediate_size"] = cfg.intermediate_size
+    # EAGLE-3.1's options and parallel drafting: absent from the drafter's config when off
+    for option in ("fc_norm", "norm_output", "norm_before_fc"):
+        if getattr(cfg, option):
+            overrides[option] = True
+    if cfg.parallel_drafting:
+        overrides["parallel_drafting"] = True
+        overrides["mask_token_id"] = target.vocab_size - 1 if cfg.mask_token_id is None else cfg.mask_token_id
     dcfg = DrafterConfig.from_target(target.model.config, list(target.aux_layers), vocab.size, **overrides)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(dcfg)

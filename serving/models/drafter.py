@@ -12,6 +12,19 @@ Design decisions:
   ``1..j`` (the "diagonal"), with rope position ``t + j``. ``tests`` check that it equals the cached path.
 - Block: ``r = h + attn(cat(input_layernorm(e), hidden_norm(h)))``; ``out = r + mlp(post_attention_layernorm(r))``;
   ``logits = lm_head(norm(out))``; ``out`` (pre-norm) feeds the next step.
+- EAGLE-3.1 options (:class:`DrafterConfig`, off by default, arXiv 2605.09992), as vLLM 0.32's
+  ``Eagle3LlamaForCausalLM`` runs them: ``fc_norm`` normalises each aux state on its own (``fc_norm.{i}``)
+  before ``fc``; ``norm_output`` feeds ``norm(out)`` (post-norm) to the next step instead of ``out``, so the
+  state passed between steps keeps one scale however deep the chain (the logits, ``lm_head(norm(out))``, are
+  unchanged). ``norm_before_fc`` (one RMSNorm over the concatenated aux states, ``input_norm``; speculators'
+  gpt-oss option) runs before ``fc_norm`` when both are on. Training and the bundled loop go through the same
+  :meth:`Eagle3Drafter.fuse` and :meth:`Eagle3Drafter.step_output`, so they cannot diverge.
+- Parallel drafting (P-EAGLE, arXiv 2602.01469; ``DrafterConfig.parallel_drafting``), as vLLM 0.32 serves it:
+  draft depths 1..K-1 are *mask rows* appended after the context in the same forward: token
+  ``mask_token_id``, aux ``mask_hidden`` (a learned vector as wide as the aux states, fused by ``fc`` like a
+  context row's), positions continuing the context's. A mask row attends to the context and the mask rows before
+  it and reads nothing of the drafts before it, so K drafts cost one drafter forward. Training is the TTT unroll
+  with step j >= 1's rows made mask rows (same attention pattern: step 0's causal prefix plus the diagonal).
 - Draft vocabulary maps: ``target_id = draft_id + d2t[draft_id]``; ``t2d[target_id]`` is True for draft tokens.
 - The embedding is the target's, frozen, and not part of what training updates or export writes.
 """
@@ -67,6 +80,21 @@ class DrafterConfig:
     """Multiplier the target applies to its input embeddings (sqrt(H) for Gemma, 1 elsewhere)."""
     target_hidden_size: int | None = None
     """Width of each aux state (defaults to ``hidden_size``)."""
+    fc_norm: bool = False
+    """EAGLE-3.1: an RMSNorm per aux layer (``fc_norm.{i}.weight``, ``target_hidden_size`` wide) on each aux state
+    before ``fc``, so no aux layer's scale dominates the fused input (vLLM reads ``fc_norm`` from the config)."""
+    norm_output: bool = False
+    """EAGLE-3.1: each draft step's output state (the next step's hidden input, and what the head reads) is
+    ``norm(out)`` instead of the pre-norm ``out``, against the scale drifting along the chain (vLLM:
+    ``norm_output``; no new weight, ``norm`` is the one the head always read through)."""
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated aux states before ``fc`` (``input_norm.weight``, ``n_aux *
+    target_hidden_size`` wide; vLLM and speculators: ``norm_before_fc``). Applied before ``fc_norm``."""
+    parallel_drafting: bool = False
+    """P-EAGLE: draft depths 1..K-1 are mask rows drafted in the context's own forward (module docstring); the
+    learned aux vector is the ``mask_hidden`` weight (vLLM: ``parallel_drafting`` in the speculative config)."""
+    mask_token_id: int | None = None
+    """``parallel_drafting``: the target token id a mask row carries (vLLM: ``mask_token_id``)."""
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
@@ -85,6 +113,17 @@ class DrafterConfig:
             raise ValueError(f"drafter aux_layer_ids: {problem}")
         if "rope_type" not in self.rope_parameters:
             self.rope_parameters = {"rope_type": "default", **self.rope_parameters}
+        if self.parallel_drafting and not (
+            self.mask_token_id is not None and 0 <= int(self.mask_token_id) < self.vocab_size
+        ):
+            raise ValueError(
+                f"parallel drafting needs mask_token_id, a target token id in [0, {self.vocab_size}), not "
+                f"{self.mask_token_id!r}"
+            )
+        if self.mask_token_id is not None and not self.parallel_drafting:
+            raise ValueError(
+                "mask_token_id is the mask rows' token of parallel drafting; set it null without"
+            )
 
     @property
     def fc_in_features(self) -> int:
@@ -123,7 +162,16 @@ class DrafterConfig:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """All fields, but the off-by-default options (EAGLE-3.1's, parallel drafting's) only when on: checkpoints,
+        identities and exports of drafters without them stay byte-identical to those from before the options."""
+        d = asdict(self)
+        for key in _OFF_BY_DEFAULT:
+            if d[key] is None or d[key] is False:
+                del d[key]
+        return d
+
+
+_OFF_BY_DEFAULT = ("fc_norm", "norm_output", "norm_before_fc", "parallel_drafting", "mask_token_id")
 
 
 def rope_parameters_of(c) -> dict[str, Any]:
@@ -283,7 +331,7 @@ class MidLayer(nn.Module):
 class DrafterOutput:
     """Result of a cached drafter forward."""
 
-    hidden: torch.Tensor  # [B, q, H] pre-norm output; the next draft step's hidden input
+    hidden: torch.Tensor  # [B, q, H] the step output (Eagle3Drafter.step_output): next step's hidden input
     logits: torch.Tensor  # [B, q, draft_vocab] (fp32)
 
 
@@ -291,10 +339,11 @@ class DrafterOutput:
 class TTTOutput:
     """Result of a training-time-test unroll over whole sequences.
 
-    ``hidden[j]`` is the pre-norm output of unroll step ``j`` ([B, T, H]); row ``t`` of step ``j`` predicts
-    ``x_{t+j+2}``. ``valid[j]`` ([B, T] bool) marks rows whose inputs lie inside their own sample. ``fused``
-    ([B, T, H]) is step 0's hidden input, ``fc`` of the target's aux states: what a context row at that position
-    carries, and so what step ``j``'s output at row ``t`` stands in for at position ``t + j + 1``.
+    ``hidden[j]`` is the output of unroll step ``j`` ([B, T, H]; :meth:`Eagle3Drafter.step_output`); row ``t``
+    of step ``j`` predicts ``x_{t+j+2}``. ``valid[j]`` ([B, T] bool) marks rows whose inputs lie inside their own
+    sample. ``fused`` ([B, T, H]) is step 0's hidden input, ``fc`` of the target's aux states: what a context row
+    at that position carries, and so what step ``j``'s output at row ``t`` stands in for at position
+    ``t + j + 1``.
     """
 
     hidden: list[torch.Tensor]
@@ -309,6 +358,13 @@ class Eagle3Drafter(nn.Module):
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
+        # EAGLE-3.1's norms exist only when on, so a drafter without them has exactly today's state_dict
+        self.input_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(int(cfg.target_hidden_size), cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
+            if cfg.fc_norm
+            else None
+        )
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -320,6 +376,8 @@ class Eagle3Drafter(nn.Module):
         t2d[: cfg.draft_vocab_size] = True  # identity map until set_vocab_map
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
+        # P-EAGLE's mask rows carry this learned aux vector (zeros to start, as vLLM's buffer before loading)
+        self.mask_hidden = nn.Parameter(torch.zeros(cfg.fc_in_features)) if cfg.parallel_drafting else None
 
     # -- setup ------------------------------------------------------------------------------------------------
     def set_embedding(self, weight: torch.Tensor) -> None:
@@ -364,17 +422,39 @@ class Eagle3Drafter(nn.Module):
         return e * self.config.embed_scale if self.config.embed_scale != 1.0 else e
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """``fc`` over the target's concatenated aux states: [..., n_aux * H] -> [..., H]."""
+        """``fc`` over the target's concatenated aux states: [..., n_aux * H] -> [..., H] (after ``input_norm``,
+        then the per-layer ``fc_norm``, when those are on, in vLLM's order)."""
         if aux.shape[-1] != self.config.fc_in_features:
             raise ValueError(
                 f"aux states of width {aux.shape[-1]}; this drafter fuses {len(self.config.aux_layer_ids)} "
                 f"aux layers of width {self.config.target_hidden_size} ({self.config.fc_in_features})"
             )
-        return self.fc(aux.to(self.fc.weight.dtype))
+        x = aux.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            chunks = x.chunk(len(self.fc_norm), dim=-1)  # [..., H_t] per aux layer
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(x)
+
+    def mask_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE's ``n`` mask rows: their token ids [n] and aux states [n, n_aux * H] (fused like a context's)."""
+        if self.mask_hidden is None:
+            raise ValueError("mask rows belong to parallel drafting; this drafter drafts autoregressively")
+        ids = torch.full(
+            (n,), int(self.config.mask_token_id), dtype=torch.long, device=self.mask_hidden.device
+        )
+        return ids, self.mask_hidden.expand(n, -1)
+
+    def step_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The state a draft step passes on (next step's hidden input, what :meth:`logits` reads) from the block's
+        output: ``out`` itself, or ``norm(out)`` with ``norm_output``."""
+        return self.norm(out) if self.config.norm_output else out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (fp32) from pre-norm outputs."""
-        return self.lm_head(self.norm(hidden)).float()
+        """Draft-vocabulary logits (fp32) from step outputs (:meth:`step_output`): ``lm_head(norm(out))`` either
+        way (with ``norm_output`` the state is already ``norm(out)``)."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden)).float()
 
     # -- inference --------------------------------------------------------------------------------------------
     def new_cache(self, max_len: int) -> SlotCache:
@@ -414,7 +494,7 @@ class Eagle3Drafter(nn.Module):
             k_all, v_all = cache.update(k, v, 0)  # [B, kv, kv_len, d]
             return attn.sdpa(q, k_all, v_all, attention_mask)
 
-        out = self.midlayer(e, h, cos, sin, attend)
+        out = self.step_output(self.midlayer(e, h, cos, sin, attend))
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', not {logits!r}")
         return DrafterOutput(hidden=out, logits=self.logits(out if logits == "all" else out[:, -1:]))
@@ -459,13 +539,19 @@ class Eagle3Drafter(nn.Module):
 
         hidden_out: list[torch.Tensor] = []
         valid_out: list[torch.Tensor] = []
+        parallel = self.config.parallel_drafting
+        if parallel and steps > 1:  # steps 1.. are mask rows: one token and one fused hidden for every row
+            mask_tok = torch.full_like(input_ids, int(self.config.mask_token_id))
+            mask_h = self.fuse(self.mask_hidden).to(h.dtype).expand(b, t, -1)  # [B, T, H]
         for j in range(steps):
             src = (rows + j + 1).clamp(max=t - 1)
             tok = input_ids[:, src]  # x_{t+j+1}
+            if parallel and j > 0:  # P-EAGLE: what step j reads does not depend on the drafts before it
+                tok, h = mask_tok, mask_h
             valid = (rows + j + 1 < t)[None, :] & (segment_ids[:, src] == segment_ids) & (segment_ids > 0)
             e = self.embed(tok).to(h.dtype)
             cos, sin = self.rotary(position_ids + j, h.dtype)
-            h = self.midlayer(e, h, cos, sin, attend)
+            h = self.step_output(self.midlayer(e, h, cos, sin, attend))
             hidden_out.append(h)
             valid_out.append(valid)
         return TTTOutput(hidden=hidden_out, valid=valid_out, fused=fused)
