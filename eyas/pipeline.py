@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -313,7 +313,9 @@ def run_pipeline(job: PipelineJob, command: str = "python -m eyas.pipeline") -> 
     export_dir, rec = stage_export(train_res, target, work_dir)
     stages.append(rec)
     extra = {f"{s.name}.{k}": v for s in stages for k, v in s.facts.items()}
-    acc, prof, report, rec = stage_eval(export_dir, job.eval, target, work_dir, extra, command)
+    # the eval prompts are checked against the text this drafter was trained on (eval.training_text)
+    ecfg = replace(job.eval, training_text=str(prep.out_dir / "train" / "conversations.jsonl"))
+    acc, prof, report, rec = stage_eval(export_dir, ecfg, target, work_dir, extra, command)
     stages.append(rec)
     result = PipelineResult(stages=stages, acceptance=acc, profile=prof, report=str(report))
     summary = {"stages": [asdict(s) for s in stages], "report": str(report), "seconds": result.seconds}
