@@ -202,6 +202,7 @@ def run(
         )
     if job.threads:
         torch.set_num_threads(job.threads)
+    decontamination, exclude = check_decontaminated(ecfg)  # before the target loads: a refusal costs nothing
     chosen = choose_target(job.target, ecfg.export_dir, "eval", caller_loaded=target is not None)
     job = replace(job, target=chosen.config)
     if target is None and not engine_only:
@@ -229,7 +230,6 @@ def run(
     )
     if ecfg.threads:
         torch.set_num_threads(ecfg.threads)
-    decontamination, exclude = check_decontaminated(ecfg)
     tokenizer = target.tokenizer if target is not None else _load_tokenizer(job.target)
     if target is None:  # an engine-only evaluation loads no weights: the tokenizer is what can be checked
         check_tokenizer(chosen.record, tokenizer_hash(tokenizer), job.target.path, ecfg.export_dir)

@@ -17,6 +17,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -144,7 +145,8 @@ def _dedupe(convs: list[Conversation]) -> list[Conversation]:
     return out
 
 
-def _reasoning_gym_prompts(tasks: Sequence[str], seed: int, source: str) -> list[Conversation]:
+@functools.lru_cache(maxsize=8)  # eval loads a set twice (decontamination, then the prompts); never mutated
+def _reasoning_gym_prompts(tasks: tuple[str, ...], seed: int, source: str) -> tuple[Conversation, ...]:
     """:data:`PROMPT_POOL` items of every task, from the eval interval of ``seed`` past its corpus eval split."""
     from reasoning_gym.factory import DATASETS
 
@@ -154,7 +156,9 @@ def _reasoning_gym_prompts(tasks: Sequence[str], seed: int, source: str) -> list
             f"{source}: unknown reasoning-gym tasks {unknown}; known: {', '.join(sorted(DATASETS))}"
         )
     base = reasoning_gym_seed(seed, "eval") + PROMPT_ITEM_OFFSET
-    return [c for t in tasks for c in reasoning_gym_items(t, base, PROMPT_POOL, source=source, split="eval")]
+    return tuple(
+        c for t in tasks for c in reasoning_gym_items(t, base, PROMPT_POOL, source=source, split="eval")
+    )
 
 
 def _prompt_source(name: str | SourceConfig | CorpusConfig, seed: int) -> list[Conversation]:
@@ -166,7 +170,9 @@ def _prompt_source(name: str | SourceConfig | CorpusConfig, seed: int) -> list[C
         return list(read_source(SourceConfig(name=name, kind=name)))
     head, _, tail = name.partition("/")
     if head in GENERATED_SETS:
-        return _reasoning_gym_prompts(tail.split(",") if tail else GENERATED_SETS[head], seed, head)
+        return list(
+            _reasoning_gym_prompts(tuple(tail.split(",") if tail else GENERATED_SETS[head]), seed, head)
+        )
     if name == "word_problems":
         return list(
             read_source(SourceConfig(name="word_problems", kind="file", path=str(WORD_PROBLEMS_FILE)))
