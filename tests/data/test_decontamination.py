@@ -96,7 +96,7 @@ def test_the_eval_stage_refuses_before_the_target_loads(tmp_path):
     path.write_text(
         json.dumps({"id": "t/1", "conversations": [{"role": "user", "content": question}]}) + "\n"
     )
-    ecfg = EvalStageConfig(prompt_sets=sets, checkpoint=str(tmp_path / "no-export"), training_text=str(path))
+    ecfg = EvalStageConfig(prompt_sets=sets, export_dir=str(tmp_path / "no-export"), training_text=str(path))
     assert [s.name for s in ecfg.prompt_sets] == [
         "ood_reasoning",
         "reasoning_in_dist",
