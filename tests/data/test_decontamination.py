@@ -60,10 +60,13 @@ def test_eval_prompt_sets_are_checked_against_a_training_file(tmp_path):
     ood = PromptSetSpec("word_problems", "word_problems", n=4, half="report")
     in_dist = PromptSetSpec("reasoning_in_dist", "reasoning_gym", n=5, in_distribution=True)
     chosen = load_prompts(in_dist, seed=0)
-    path = tmp_path / "conversations.jsonl"
+    path = tmp_path / "conversations.jsonl"  # as the prepare stage writes it (Conversation.to_record)
     records = [
-        {"id": "rg/1", "conversations": [{"role": "user", "content": chosen[2].messages[0]["content"]}]},
-        {"id": "chat/1", "conversations": [{"role": "user", "content": "Hello"}]},
+        _conv("rg/1", chosen[2].messages[0]["content"], "42").to_record(),
+        Conversation(
+            "chat/1",
+            [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi", "reasoning": "r"}],
+        ).to_record(),
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     # a training question in an in-distribution set: left out, another prompt of the set drawn instead
