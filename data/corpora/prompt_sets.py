@@ -9,10 +9,10 @@ Design decisions:
   :data:`PROMPT_ITEM_OFFSET` on: two seeds never share an item, and a corpus's own eval split (its first
   ``eval_size`` items, on which training picks ``best/``) never reaches them.
 - Every set splits into a ``calib`` half (to choose settings on, e.g. the K to serve) and a ``report`` half (to
-  report on), by a hash of the id within each task, independent of the seed: a choice made on one half is never
-  reported on the prompts it was made on.
-- ``n`` prompts are taken round-robin over the set's tasks (each task's items in seeded-hash order), so a small
-  ``n`` covers the tasks evenly.
+  report on), by a hash of the id within each stratum (a generator's task; a hand-written set's difficulty),
+  independent of the seed: a choice made on one half is never reported on the prompts it was made on.
+- ``n`` prompts are taken round-robin over the strata (each one's items in seeded-hash order), so a small ``n``
+  covers the tasks (difficulties) evenly.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def load_prompt_set(
     distribution; ``reasoning_gym/<task>`` for one task), ``mt_bench``, ``humaneval``, a ``conf/corpus`` name or a
     config object (its eval split, same split rule as training), a local .jsonl/.json/.parquet path (every
     record), or ``hf:<dataset>[:<split>]``.
-    n: how many (None: all); taken round-robin over the tasks, each in a seeded hash order of the id, and returned
-    in the source's order.
+    n: how many (None: all); taken round-robin over the tasks (difficulties), each in a seeded hash order of the
+    id, and returned in the source's order.
     seed: which prompts; generated sets (reasoning-gym) generate other items for every seed.
     half: ``calib`` or ``report``: only that half of the set (see the module docstring); None: the whole set.
     exclude: ids left out before the ``n`` are drawn (the halves stay those of the whole set).
@@ -102,18 +102,20 @@ def load_prompt_set(
     return [prompt_only(c) for c in convs]
 
 
-def _task(c: Conversation) -> str:
-    return str(c.meta.get("task", ""))
+def _stratum(c: Conversation) -> str:
+    """What halves and small draws keep balanced: the generator task, else the hand-written difficulty."""
+    return str(c.meta.get("task", c.meta.get("difficulty", "")))
 
 
 def split_half(convs: Sequence[Conversation], half: str) -> list[Conversation]:
-    """The ``half`` (``calib`` or ``report``) of ``convs``: within each task, the first half of the items in a
-    seed-independent hash order of the id (the larger half when odd) is ``calib``, the rest ``report``."""
-    by_task: dict[str, list[Conversation]] = {}
+    """The ``half`` (``calib`` or ``report``) of ``convs``: within each stratum (:func:`_stratum`), the first half of
+    the items in a seed-independent hash order of the id (the larger half when odd) is ``calib``, the rest
+    ``report``."""
+    by_stratum: dict[str, list[Conversation]] = {}
     for c in convs:
-        by_task.setdefault(_task(c), []).append(c)
+        by_stratum.setdefault(_stratum(c), []).append(c)
     keep: set[str] = set()
-    for items in by_task.values():
+    for items in by_stratum.values():
         ranked = sorted(items, key=lambda c: (hash01(0, "half", c.id), c.id))
         cut = (len(ranked) + 1) // 2
         keep.update(c.id for c in (ranked[:cut] if half == "calib" else ranked[cut:]))
@@ -121,12 +123,12 @@ def split_half(convs: Sequence[Conversation], half: str) -> list[Conversation]:
 
 
 def _round_robin(convs: Sequence[Conversation], seed: int) -> list[Conversation]:
-    """All of ``convs``, one task after the other, each task's in seeded-hash order; the tasks too in a seeded
-    order, so a small ``n`` covers other tasks at other seeds."""
-    by_task: dict[str, list[Conversation]] = {}
+    """All of ``convs``, one stratum (:func:`_stratum`) after the other, each one's items in seeded-hash order; the
+    strata too in a seeded order, so a small ``n`` covers other tasks at other seeds."""
+    by_stratum: dict[str, list[Conversation]] = {}
     for c in sorted(convs, key=lambda c: (hash01(seed, "prompt", c.id), c.id)):
-        by_task.setdefault(_task(c), []).append(c)
-    queues = [by_task[t] for t in sorted(by_task, key=lambda t: (hash01(seed, "task", t), t))]
+        by_stratum.setdefault(_stratum(c), []).append(c)
+    queues = [by_stratum[t] for t in sorted(by_stratum, key=lambda t: (hash01(seed, "task", t), t))]
     out: list[Conversation] = []
     for i in range(max((len(q) for q in queues), default=0)):
         out.extend(q[i] for q in queues if i < len(q))

@@ -82,8 +82,8 @@ def test_calibration_and_report_halves_partition_the_set(name):
     ids = {h: {c.id for c in convs} for h, convs in (("calib", calib), ("report", report))}
     assert not ids["calib"] & ids["report"]
     assert ids["calib"] | ids["report"] == {c.id for c in whole}
-    tasks = {c.id: c.meta.get("task", "") for c in whole}
-    for task in set(tasks.values()):  # each task splits evenly
+    tasks = {c.id: c.meta.get("task", c.meta.get("difficulty", "")) for c in whole}
+    for task in set(tasks.values()):  # each task (hand-written: each difficulty) splits evenly
         sizes = [sum(tasks[i] == task for i in ids[h]) for h in ("calib", "report")]
         assert sizes[0] - sizes[1] in (0, 1), (task, sizes)
     if name in ("word_problems", "mt_bench"):  # fixed pools: the halves do not move with the seed
@@ -103,11 +103,9 @@ def test_the_hand_written_word_problems():
     assert all(r["meta"]["answer"] and r["conversations"][0]["role"] == "user" for r in records)
     convs = list(read_source(SourceConfig(name="w", kind="file", path=str(WORD_PROBLEMS_FILE))))
     assert [c.id for c in convs] == [r["id"] for r in records]
-    assert (
-        len(load_prompt_set("word_problems", half="calib"))
-        == len(load_prompt_set("word_problems", half="report"))
-        == 12
-    )
+    for half in ("calib", "report"):
+        convs = load_prompt_set("word_problems", half=half)
+        assert Counter(c.meta["difficulty"] for c in convs) == {"easy": 2, "medium": 6, "hard": 4}
 
 
 def test_excluded_prompts_are_replaced_by_others_of_the_set():
