@@ -11,8 +11,8 @@ Design decisions:
 - Evaluation draws the prefix from the held-out split (``split="eval"``) of the mixture the drafter was trained
   on, split by that mixture's own seed and eval fraction (a standalone corpus's split is another one whenever
   they differ), so a drafter is not measured on text it was trained on; long *training* conversations
-  (:func:`long_conversations`) come from the training split. Packed rows do not teach long positions (positions restart per sample): a
-  long sample must be one conversation, which is what these are.
+  (:func:`long_conversations`) come from the training split. Packed rows do not teach long positions (positions
+  restart per sample): a long sample must be one conversation, which is what these are.
 """
 
 from __future__ import annotations
