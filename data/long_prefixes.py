@@ -8,56 +8,80 @@ Design decisions:
 - To hit a length, whole pairs are added while they fit, then the next answer is cut (at a token boundary,
   longest cut that fits, by bisection). A prompt longer than the length is never cut: it is returned bare.
 - ``offset`` rotates through the pairs so different prompts get different prefixes, deterministically.
-- Evaluation draws the prefix from the corpus's held-out split (``split="eval"``) so a drafter trained on the
-  corpus is not measured on text it was trained on; long *training* conversations (:func:`long_conversations`)
-  come from the training split. Packed rows do not teach long positions (positions restart per sample): a
-  long sample must be one conversation, which is what these are.
+- Evaluation draws the prefix from the held-out split (``split="eval"``) of the mixture the drafter was trained
+  on, split by that mixture's own seed and eval fraction (a standalone corpus's split is another one whenever
+  they differ), so a drafter is not measured on text it was trained on; long *training* conversations
+  (:func:`long_conversations`) come from the training split. Packed rows do not teach long positions (positions
+  restart per sample): a long sample must be one conversation, which is what these are.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import Any
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from eyas.data.types import Conversation
+
+if TYPE_CHECKING:
+    from eyas.data.corpora.config import CorpusConfig
 
 SPLITS = ("all", "train", "eval")
 
 
-def turn_pairs(
-    corpus: str = "sharegpt", limit: int | None = 64, split: str = "all"
-) -> list[list[dict[str, str]]]:
-    """(user, assistant) turn pairs of a ``conf/corpus`` corpus, in its order: from its first ``limit``
-    conversations of ``split`` (``all``, or the corpus's own ``train``/``eval`` hash split)."""
-    from eyas.data.corpora.config import load_corpus_config
+def corpus_of(corpus: str | CorpusConfig) -> CorpusConfig:
+    """The mixture ``corpus`` names: a config, a ``conf/corpus`` name (or .yaml path), or a prepare stage's output
+    directory (its ``corpus.json`` holds the mixture exactly as prepared, seed included)."""
+    from eyas.data.corpora.config import CorpusConfig, corpus_config_from_dict, load_corpus_config
+
+    if isinstance(corpus, CorpusConfig):
+        return corpus
+    recorded = Path(corpus) / "corpus.json"
+    if recorded.is_file():
+        return corpus_config_from_dict(json.loads(recorded.read_text())["config"])
+    return load_corpus_config(corpus)
+
+
+def split_conversations(corpus: str | CorpusConfig, split: str = "all") -> Iterator[Conversation]:
+    """The conversations of a corpus's ``split`` (``all``, or its own ``train``/``eval`` split): the hash split
+    with the mixture's seed and eval fraction, exactly as :func:`data.corpora.load_corpus` splits them for
+    training, source after source. Generated sources (reasoning-gym) are not chat and are skipped."""
     from eyas.data.corpora.mixtures import split_of
-    from eyas.data.corpora.sources import read_source
+    from eyas.data.corpora.sources import NATIVE_SPLIT_KINDS, read_source
 
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
-    cfg = load_corpus_config(corpus)
-    pairs: list[list[dict[str, str]]] = []
+    cfg = corpus_of(corpus)
     for src in cfg.sources:
-        convs = read_source(src)
-        if split != "all":
-            convs = (c for c in convs if split_of(c.id, cfg.seed, cfg.eval_fraction) == split)
-        for conv in itertools.islice(convs, limit):
-            msgs = [m for m in conv.messages if m["role"] in ("user", "assistant")]
-            for u, a in zip(msgs, msgs[1:]):
-                if u["role"] == "user" and a["role"] == "assistant" and u["content"] and a["content"]:
-                    pairs.append(
-                        [
-                            {"role": "user", "content": u["content"]},
-                            {"role": "assistant", "content": a["content"]},
-                        ]
-                    )
-        if limit is not None and len(pairs) >= limit:
-            break
+        if src.kind in NATIVE_SPLIT_KINDS:
+            continue
+        for conv in read_source(src):
+            if split == "all" or split_of(conv.id, cfg.seed, cfg.eval_fraction) == split:
+                yield conv
+
+
+def turn_pairs(
+    corpus: str | CorpusConfig = "sharegpt", limit: int | None = 64, split: str = "all"
+) -> list[list[dict[str, str]]]:
+    """(user, assistant) turn pairs of a corpus (:func:`corpus_of`), in its order: from the first ``limit``
+    conversations of its ``split`` (:func:`split_conversations`). For prefixes held out from a drafter's training,
+    give the mixture it was trained on (or its prepare directory) and ``split="eval"``."""
+    pairs: list[list[dict[str, str]]] = []
+    for conv in itertools.islice(split_conversations(corpus, split), limit):
+        msgs = [m for m in conv.messages if m["role"] in ("user", "assistant")]
+        for u, a in zip(msgs, msgs[1:]):
+            if u["role"] == "user" and a["role"] == "assistant" and u["content"] and a["content"]:
+                pairs.append(
+                    [
+                        {"role": "user", "content": u["content"]},
+                        {"role": "assistant", "content": a["content"]},
+                    ]
+                )
     if not pairs:
-        raise ValueError(
-            f"corpus {corpus!r} ({split}) has no user/assistant turn pairs to build contexts from"
-        )
+        name = corpus.name if not isinstance(corpus, str) else corpus
+        raise ValueError(f"corpus {name!r} ({split}) has no user/assistant turn pairs to build contexts from")
     return pairs
 
 

@@ -37,6 +37,8 @@ from eyas.serving.verify import SamplingConfig
 log = logging.getLogger(__name__)
 
 MethodKind = Literal["eagle3", "prompt-lookup", "none"]
+IN_DISTRIBUTION_SUFFIX = "_in_dist"
+"""Name suffix of a prompt set drawn from the training distribution (``PromptSetSpec.in_distribution``)."""
 
 
 @dataclass
@@ -46,20 +48,35 @@ class PromptSetSpec:
     name: str
     """Display name (e.g. ``reasoning``)."""
     source: str
-    """What :func:`data.corpora.load_prompt_set` loads: ``mt_bench``, ``humaneval``, ``reasoning_gym[/tasks]``,
-    a corpus name, a JSONL/Parquet path or ``hf:<id>``."""
+    """What :func:`data.corpora.load_prompt_set` loads: ``ood_reasoning``, ``word_problems``, ``mt_bench``,
+    ``humaneval``, ``reasoning_gym[/tasks]``, a corpus name, a JSONL/Parquet path or ``hf:<id>``."""
     n: int = 8
     """Prompts drawn from the source (seeded)."""
     label: str = ""
     """What kind of text it is, e.g. ``hard reasoning`` or ``predictable`` (diagnose compares them)."""
     max_new_tokens: int = 128
     """Tokens generated per prompt."""
+    in_distribution: bool = False
+    """The set is drawn from the training distribution (e.g. ``reasoning_gym``: other seeds of the training
+    generators). Its name must end in ``IN_DISTRIBUTION_SUFFIX`` so every table shows it, evaluation lists it after
+    the out-of-distribution sets, and decontamination refuses only a verbatim training question in it, not shared
+    template sentences (:mod:`data.corpora.decontamination`)."""
+    half: str | None = None
+    """``calib`` or ``report``: draw from that half of the source only (:func:`data.corpora.load_prompt_set`), so a
+    setting chosen on the ``calib`` half is reported on other prompts; None: the whole source."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"prompt set {self.name}: n must be >= 1")
         if self.max_new_tokens < 1:
             raise ValueError(f"prompt set {self.name}: max_new_tokens must be >= 1")
+        if self.half not in (None, "calib", "report"):
+            raise ValueError(f"prompt set {self.name}: half must be calib, report or null, not {self.half!r}")
+        if self.in_distribution != self.name.endswith(IN_DISTRIBUTION_SUFFIX):
+            raise ValueError(
+                f"prompt set {self.name}: a set with in_distribution: true is named <name>{IN_DISTRIBUTION_SUFFIX} "
+                f"(and only such a set), so reports show it; rename it or set in_distribution"
+            )
 
 
 @dataclass

@@ -52,8 +52,12 @@ class ContextConfig:
         default_factory=lambda: PromptSetSpec("mt_bench", "mt_bench", n=3, label="chat", max_new_tokens=64)
     )
     """The prompts put after the prefix (``n`` of them, ``max_new_tokens`` generated each)."""
-    prefix_corpus: str = "sharegpt"
-    """``conf/corpus`` corpus whose (user, assistant) turns make the prefix."""
+    prefix_corpus: str = "demo"
+    """The mixture the drafter was trained on, whose (user, assistant) turns make the prefix: a ``conf/corpus``
+    name, or the prepare directory the drafter's data came from (``<work_dir>/prepare/<hash>``: its
+    ``corpus.json`` holds the mixture with its seed). Its own split is used (:func:`data.long_prefixes.turn_pairs`):
+    a standalone corpus splits by another seed or eval fraction, so its held-out records can be training records
+    of the mixture. ``demo`` and ``bench`` split ShareGPT alike (same seed and eval fraction)."""
     prefix_split: str = "eval"
     """Which split of it: ``eval`` (held out from training), ``train`` or ``all``."""
     prefix_conversations: int = 200

@@ -81,11 +81,22 @@ class EvalStageConfig:
     bundled: bool = True
     """With an engine: also run the bundled loop on the same prompts, for the comparison (false for a target
     transformers cannot hold; then only its tokenizer is loaded)."""
+    training_text: str | None = None
+    """The records the drafter was trained on (a prepared ``train/conversations.jsonl``, or any file the corpus
+    reader takes): before anything runs, every prompt is checked against it and a prompt found there is refused
+    (:func:`eval.prompts.check_prompt_sets`). The pipeline sets its own prepared corpus; None (``python -m
+    eyas.eval`` without it): not checked, and the report says so."""
+    decontamination_ngram: int = 13
+    """Words in a span that, found in the training text, refuses an out-of-distribution prompt."""
 
     def __post_init__(self) -> None:
-        self.prompt_sets = [
+        sets = [
             build_config(PromptSetSpec, p, f"eval.prompt_sets[{i}]") for i, p in enumerate(self.prompt_sets)
         ]
+        # out-of-distribution sets first, whatever the config's order: reports lead with them
+        self.prompt_sets = sorted(sets, key=lambda s: s.in_distribution)
+        if self.decontamination_ngram < 1:
+            raise ValueError(f"eval.decontamination_ngram must be >= 1, got {self.decontamination_ngram}")
         if isinstance(self.tree, dict):
             self.tree = build_config(TreeConfig, self.tree, "eval.tree")
         if isinstance(self.profile, dict):
@@ -191,6 +202,7 @@ def run(
         )
     if job.threads:
         torch.set_num_threads(job.threads)
+    decontamination, exclude = check_decontaminated(ecfg)  # before the target loads: a refusal costs nothing
     chosen = choose_target(job.target, ecfg.export_dir, "eval", caller_loaded=target is not None)
     job = replace(job, target=chosen.config)
     if target is None and not engine_only:
@@ -222,7 +234,7 @@ def run(
     if target is None:  # an engine-only evaluation loads no weights: the tokenizer is what can be checked
         check_tokenizer(chosen.record, tokenizer_hash(tokenizer), job.target.path, ecfg.export_dir)
     prompts = {
-        s.name: (s, load_prompt_ids(s, tokenizer, ecfg.seed, ecfg.max_prompt_tokens))
+        s.name: (s, load_prompt_ids(s, tokenizer, ecfg.seed, ecfg.max_prompt_tokens, exclude.get(s.name, ())))
         for s in ecfg.prompt_sets
     }
     acc = AcceptanceResult(results=[], sampling=asdict(SamplingConfig(ecfg.temperature, seed=ecfg.seed)))
@@ -259,6 +271,7 @@ def run(
         extra={
             **(extra or {}),
             **({"numerics": numerics} if numerics else {}),
+            "decontamination": decontamination,
             **({"recommended_k": chain_k.to_dict()} if chain_k else {}),
         },
         sections={"Chain length to serve": chain_k.markdown()} if chain_k else None,
@@ -274,6 +287,29 @@ def run(
     if engine is not None:
         print_engine_table(engine, acc)
     return EvalResult(acc, prof, Path(report), time.perf_counter() - t0, engine, chain_k)
+
+
+def check_decontaminated(ecfg: EvalStageConfig) -> tuple[str, dict[str, set[str]]]:
+    """The report's line and, per set, the prompt ids to leave out: every prompt is checked against
+    ``ecfg.training_text`` (:func:`eval.prompts.check_prompt_sets`; raises for an out-of-distribution hit)."""
+    from eyas.eval.prompts import check_prompt_sets
+
+    if ecfg.training_text is None:
+        log.warning("eval.training_text is not set: the prompts are not checked against the training text")
+        return (
+            "not checked (no eval.training_text: give the training records to check the prompts against)",
+            {},
+        )
+    res = check_prompt_sets(ecfg.prompt_sets, ecfg.seed, ecfg.training_text, ecfg.decontamination_ngram)
+    for name, hits in res.left_out.items():
+        log.warning(
+            "eval set %s: left out %d prompts found in the training text: %s",
+            name,
+            len(hits),
+            hits[0].describe(),
+        )
+    line = res.describe(ecfg.training_text, ecfg.decontamination_ngram)
+    return line, {s.name: res.excluded(s.name) for s in ecfg.prompt_sets}
 
 
 def add_best_k_rows(

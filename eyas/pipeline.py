@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -225,6 +225,12 @@ def stage_export(train_res, target: Target, work_dir: Path) -> tuple[Path, Stage
     return out, StageRecord("export", str(out), time.perf_counter() - t0, reused, {"round_trip_max_abs": err})
 
 
+def eval_settings(ecfg: EvalStageConfig, prep) -> EvalStageConfig:
+    """The eval stage's settings in the pipeline: its prompts are checked against the records this drafter was
+    trained on, the prepared training split (``eval.training_text``)."""
+    return replace(ecfg, training_text=str(prep.out_dir / "train" / "conversations.jsonl"))
+
+
 def stage_eval(
     export_dir: Path,
     ecfg: EvalStageConfig,
@@ -313,7 +319,9 @@ def run_pipeline(job: PipelineJob, command: str = "python -m eyas.pipeline") -> 
     export_dir, rec = stage_export(train_res, target, work_dir)
     stages.append(rec)
     extra = {f"{s.name}.{k}": v for s in stages for k, v in s.facts.items()}
-    acc, prof, report, rec = stage_eval(export_dir, job.eval, target, work_dir, extra, command)
+    acc, prof, report, rec = stage_eval(
+        export_dir, eval_settings(job.eval, prep), target, work_dir, extra, command
+    )
     stages.append(rec)
     result = PipelineResult(stages=stages, acceptance=acc, profile=prof, report=str(report))
     summary = {"stages": [asdict(s) for s in stages], "report": str(report), "seconds": result.seconds}

@@ -42,12 +42,15 @@ class DraftModelConfig:
     intermediate_size: int | None = None
     """MLP width of the drafter layer; None takes the target's."""
     init: str = "target"
-    """``target`` (the default: measured best, BENCH.md "Recipe") or ``random`` (nn.Linear default init): start the whole drafter from the target
-    (:func:`train.setup.init_from_target`): the decoder layer from target layer ``init_layer``, ``fc`` as the
-    identity on the top aux block, ``norm`` and ``lm_head`` from the target's final norm and head rows."""
+    """``target`` (the default: measured best, BENCH.md "Recipe") or ``random`` (nn.Linear default init): start the
+    whole drafter from the target (:func:`train.setup.init_from_target`): the decoder layer from target layer
+    ``init_layer``, ``fc`` as the identity on the top aux block, ``norm`` and ``lm_head`` from the target's final
+    norm and head rows. Step 0 then reproduces the target's prediction of ``x_{t+1}`` (the row's own input token),
+    not of ``x_{t+2}``, which row ``t`` is trained on: a start from the target's features, not from the objective."""
     init_layer: int | None = None
     """Target layer the drafter layer starts from (``init=target``); None: the layer after the top aux layer,
-    which reads exactly the state ``fc`` passes through, so step 0 starts as the target's own upper layer."""
+    which reads exactly the state ``fc`` passes through, so step 0 computes that layer of the target at row ``t``'s
+    own position."""
     init_lm_head: str = "random"
     """``random`` (nn.Linear default init) or ``target``: start ``lm_head`` from the target head's draft rows
     (implied by ``init=target``)."""

@@ -64,8 +64,16 @@ def build_drafter(target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 
 def init_from_target(
     drafter: Eagle3Drafter, target, vocab: DraftVocab, layer: int | None = None
 ) -> list[str]:
-    """Start ``drafter`` as the target's own upper layer: at step 0 it then computes target layer ``layer`` on the
+    """Start ``drafter`` from the target's own upper layer: at step 0 it then computes target layer ``layer`` on the
     top aux state and reads it out through the target's final norm and head (the logit lens at that layer).
+
+    What that is, and is not: row ``t`` of step 0 carries ``fc(aux_t)`` (the target's state after ``x_0..x_t``) and
+    the embedding of ``x_{t+1}``, and is trained to predict ``x_{t+2}``. With the default ``layer`` the init
+    reproduces the target's distribution of ``x_{t+1}``, the row's own input token, and ignores that token (its
+    half of q/k/v is zero): it agrees with the objective only where the target predicts one token twice in a row.
+    It starts the drafter from the target's features and output space, not from a solution of its objective; no
+    weights of this block reproduce the target's prediction of ``x_{t+2}``, which needs the whole target run on
+    ``x_{t+1}`` (``tests/serving/test_drafter_init.py`` pins both properties).
 
     - ``fc`` [H, n_aux*H]: the identity on the top aux block, zeros elsewhere;
     - ``midlayer``: q/k/v take ``[input_layernorm(embedding) ; hidden_norm(hidden)]`` (2H wide): the hidden half

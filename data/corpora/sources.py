@@ -156,7 +156,6 @@ def reasoning_gym_seed(seed: int, split: str) -> int:
 def _read_reasoning_gym(
     src: SourceConfig, split: str, stats: SourceStats, *, eval_fraction: float = 0.01, want: int | None = None
 ) -> Iterator[Conversation]:
-    import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
     tasks = src.subsets or list(DEFAULT_REASONING_GYM_TASKS)
@@ -168,19 +167,30 @@ def _read_reasoning_gym(
         size = min(size, -(-want // len(tasks)))
     base = reasoning_gym_seed(src.seed, split)
     for task in tasks:
-        ds = reasoning_gym.create_dataset(task, seed=base, size=size)
-        for i in range(size):
+        yield from reasoning_gym_items(task, base, size, source=src.name, split=split, stats=stats)
+
+
+def reasoning_gym_items(
+    task: str, base: int, size: int, *, source: str, split: str, stats: SourceStats | None = None
+) -> Iterator[Conversation]:
+    """Items ``base .. base + size - 1`` of one reasoning-gym task (item ``i`` from ``Random(base + i)``), as
+    (question, answer) conversations whose id names the item seed."""
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset(task, seed=base, size=size)
+    for i in range(size):
+        if stats is not None:
             stats.read += 1
-            item = ds[i]
-            yield Conversation(
-                id=f"reasoning_gym/{task}/{base + i}",
-                messages=[
-                    {"role": "user", "content": item["question"]},
-                    {"role": "assistant", "content": str(item["answer"])},
-                ],
-                source=src.name,
-                meta={"task": task, "answer": str(item["answer"]), "item_seed": base + i, "split": split},
-            )
+        item = ds[i]
+        yield Conversation(
+            id=f"reasoning_gym/{task}/{base + i}",
+            messages=[
+                {"role": "user", "content": item["question"]},
+                {"role": "assistant", "content": str(item["answer"])},
+            ],
+            source=source,
+            meta={"task": task, "answer": str(item["answer"]), "item_seed": base + i, "split": split},
+        )
 
 
 def _read_mt_bench(src: SourceConfig, split: str, stats: SourceStats) -> Iterator[Conversation]:

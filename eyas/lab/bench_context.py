@@ -177,6 +177,7 @@ def run(args: BenchContextConfig) -> dict[str, Any]:
             checkpoint=res.last_checkpoint,
             lengths=args.lengths,
             prompts=PromptSetSpec("mt_bench", "mt_bench", args.prompts, "chat", args.max_new_tokens),
+            prefix_corpus="sharegpt",  # the drafters train on ShareGPT's own training split (build_samples)
             methods=methods,
             threads=args.threads,
             out_dir=str(out / "context" / name),

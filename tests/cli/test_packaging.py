@@ -46,6 +46,7 @@ def test_the_wheel_holds_only_the_eyas_package_with_its_configs(tmp_path):
         "eyas/common.py",
         "eyas/cli.py",
         "eyas/data/corpora/sources.py",
+        "eyas/data/corpora/word_problems.jsonl",
         "eyas/train/__main__.py",
         "eyas/serving/load.py",
         "eyas/eval/diagnose/__main__.py",
