@@ -34,7 +34,9 @@ def results_path(report: str | Path) -> Path:
     p = Path(report)
     path = (p if p.is_dir() else p.parent) / "results.json"
     if not path.is_file():
-        raise SystemExit(f"pooled_tau: no results.json beside {report} (give an eval report or its directory)")
+        raise SystemExit(
+            f"pooled_tau: no results.json beside {report} (give an eval report or its directory)"
+        )
     return path
 
 

@@ -54,7 +54,7 @@ def shell_lines(text: str, path: str) -> list[str]:
     a ``${VAR:-default}`` default, a ``for`` loop's first value; anything computed at run time is ``path``."""
     env: dict[str, str | None] = {}
     out = []
-    for line in text.replace("\\\n", " ").splitlines():
+    for line in text.replace("\\\n", "").splitlines():  # bash drops a backslash-newline, in quotes too
         if line.lstrip().startswith("#"):
             continue
         if m := _ASSIGN.match(line):
@@ -174,8 +174,9 @@ def test_no_machine_paths_in_bench_docs_or_scripts():
         for i, line in enumerate(f.read_text().splitlines(), 1)
         if MACHINE_PATH.search(line)
     ]
-    assert not found, "paths on one machine (commit the script, or write a path relative to the repository):\n" + (
-        "\n".join(found)
+    assert not found, (
+        "paths on one machine (commit the script, or write a path relative to the repository):\n"
+        + ("\n".join(found))
     )
 
 
@@ -211,7 +212,14 @@ def test_pooled_tau_weighs_each_set_by_its_steps(tmp_path):
         tmp_path / "b",
         [
             {**chain, "prompts": 6, "tokens": 186, "steps": 60, "tau": 3.0},
-            {"method": "none", "prompt_set": "reasoning", "prompts": 6, "tokens": 186, "steps": 180, "tau": 1.0},
+            {
+                "method": "none",
+                "prompt_set": "reasoning",
+                "prompts": 6,
+                "tokens": 186,
+                "steps": 180,
+                "tau": 1.0,
+            },
         ],
     )
     p = pooled.pooled_tau([a, b.parent])
@@ -226,14 +234,23 @@ def test_pooled_tau_weighs_each_set_by_its_steps(tmp_path):
 def test_corpus_answers_keeps_the_regenerated_ids_with_the_corpus_answers(tmp_path):
     answers = _script_module("corpus_answers")
     conv = [
-        {"id": f"c{i}", "conversations": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": f"a{i}"},
+            ],
+        }
         for i in range(6)
     ]
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conv))
     (tmp_path / "corpus.yaml").write_text(
         f"name: t\nkind: file\npath: {tmp_path / 'corpus.jsonl'}\neval_fraction: 0.0\nseed: 0\n"
     )
-    regen = [{**c, "conversations": [c["conversations"][0], {"role": "assistant", "content": "target"}]} for c in conv]
+    regen = [
+        {**c, "conversations": [c["conversations"][0], {"role": "assistant", "content": "target"}]}
+        for c in conv
+    ]
     (tmp_path / "regen.jsonl").write_text("".join(json.dumps(c) + "\n" for c in regen[1:4]))
     out = tmp_path / "out" / "train.jsonl"
     w = answers.write_corpus_answers(tmp_path / "regen.jsonl", str(tmp_path / "corpus.yaml"), out)
