@@ -11,6 +11,11 @@
 # meant that day (AdamW, cosine, best checkpoint by tau_chain); today's code computes the drafter's lm_head in bf16
 # (since 9692151). Measured under the rules before issue 35 (in-distribution held-out prompts, no intervals).
 #
+# Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
+# measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
+# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
+# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+#
 # Usage: scripts/recipe_corpus_answers.sh     (PY=<python>, default python)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,6 +16,11 @@
 # drafter's lm_head in bf16 (since 9692151). Measured under the rules before issue 35 (in-distribution held-out
 # prompts, one seed, no intervals).
 #
+# Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
+# measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
+# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
+# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+#
 # Usage: scripts/recipe_screen_320.sh [more overrides, e.g. "recipe.only=[s320-base]"]
 #   AUX=1,14,26    the target layers the drafter reads (1,14,28: the embedded target's default now)
 #   STORE=<dir>    an existing bench store extracted at those layers; unset, the recipe extracts it (or reuses it)

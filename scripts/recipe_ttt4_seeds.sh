@@ -10,6 +10,11 @@
 # committed); module path and keys are today's. Measured under the rules before issue 35 (in-distribution
 # held-out prompts, no intervals).
 #
+# Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
+# measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
+# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
+# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+#
 # Usage: scripts/recipe_ttt4_seeds.sh
 #   SEEDS="0 1 2"  training seeds (data order)
 #   STORE=<dir>    an existing bench store (int4 + top-32, layers [1, 14, 28]); unset, the recipe prepares and

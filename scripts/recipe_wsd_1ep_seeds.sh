@@ -14,6 +14,11 @@
 # drafter's lm_head in bf16. Measured under the rules before issue 35 (in-distribution held-out prompts, no
 # intervals).
 #
+# Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
+# measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
+# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
+# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+#
 # Usage: scripts/recipe_wsd_1ep_seeds.sh    (SEEDS="0 1 2", STORE=<dir>, PY=<python>: as in recipe_ttt4_seeds.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
