@@ -18,12 +18,38 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 FENCE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 
 
+def indented_blocks(text: str) -> list[str]:
+    """Markdown's indented code blocks: runs of lines indented four spaces or more after a blank line."""
+    blocks: list[str] = []
+    cur: list[str] | None = None
+    prev_blank = True
+    for line in text.split("\n"):
+        if cur is not None:
+            if line.startswith("    ") or not line.strip():
+                cur.append(line)
+                continue
+            blocks.append("\n".join(cur))
+            cur = None
+        if prev_blank and line.startswith("    ") and line.strip():
+            cur = [line]
+        prev_blank = not line.strip()
+    if cur is not None:
+        blocks.append("\n".join(cur))
+    return blocks
+
+
 def snippets(text: str) -> list[str]:
-    """The README's code: each line of its code blocks (continuations joined) and each inline code span."""
+    """A Markdown page's code: each line of its fenced and indented code blocks (continuations joined) and each
+    inline code span (one that wraps onto the next line read as one line, as Markdown renders it)."""
     out = []
-    for block in FENCE.findall(text):
+    prose = FENCE.sub("", text)
+    blocks = indented_blocks(prose)
+    for block in FENCE.findall(text) + blocks:
         out += block.replace("\\\n", " ").splitlines()
-    out += re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+    for block in blocks:
+        prose = prose.replace(block, "")
+    for paragraph in re.split(r"\n\s*\n", prose):
+        out += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", paragraph)]
     return out
 
 
@@ -37,16 +63,16 @@ def _tokens(snippet: str, path: str) -> list[str]:
     except ValueError:  # prose in backticks that is no shell line
         return []
     out = []
-    for w in words:
-        out += _tokens(w, path) if " " in w else [w]
+    for prev, w in zip([""] + words, words):
+        out += _tokens(w, path) if prev == "-c" else [w]  # a quoted value with a space stays one word
     return [w for w in out if w != "..."]
 
 
-def command_lines(text: str, path: str) -> list[tuple[str, list[str]]]:
-    """``(command, overrides)`` of every command line in ``text``: ``command`` is an ``eyas`` command name or a
-    module run with ``-m``."""
+def commands_in(lines: list[str], path: str) -> list[tuple[str, list[str]]]:
+    """``(command, overrides)`` of every command line in ``lines`` (shell lines or code snippets): ``command`` is an
+    ``eyas`` command name or a module run with ``-m``."""
     found = []
-    for snippet in snippets(text):
+    for snippet in lines:
         words = _tokens(snippet, path)
         i = 0
         while i < len(words):
@@ -62,6 +88,11 @@ def command_lines(text: str, path: str) -> list[tuple[str, list[str]]]:
             found.append((name, words[i + 2 : j]))
             i = j
     return found
+
+
+def command_lines(text: str, path: str) -> list[tuple[str, list[str]]]:
+    """``(command, overrides)`` of every command line in a Markdown page's code (:func:`snippets`)."""
+    return commands_in(snippets(text), path)
 
 
 def command(name: str) -> Command:
