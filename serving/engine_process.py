@@ -213,11 +213,12 @@ def health_ok(url: str, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def engine_python(engine: str, cfg: EngineServerConfig) -> str:
-    """The interpreter of the engine's venv; :class:`EngineError` naming ``make <engine>`` if there is none."""
+def engine_python(engine: str, cfg: EngineServerConfig, key: str = "eval.server") -> str:
+    """The interpreter of the engine's venv; :class:`EngineError` naming ``make <engine>`` if there is none.
+    ``key``: the setting ``cfg`` comes from (``eval.server``, ``extract.server``), named in the error."""
     if cfg.python:
         if not Path(cfg.python).exists():
-            raise EngineError(f"eval.server.python={cfg.python} does not exist")
+            raise EngineError(f"{key}.python={cfg.python} does not exist")
         return cfg.python
     venv = ENGINE_VENVS[engine]
     for root in (Path.cwd(), REPO_ROOT):
@@ -226,7 +227,7 @@ def engine_python(engine: str, cfg: EngineServerConfig) -> str:
             return str(p)
     raise EngineError(
         f"no {engine} environment: run `make {engine}` in the eyas repository (it creates {venv}/), or give "
-        f"eval.server.python=<the python of an environment with {engine} installed>"
+        f"{key}.python=<the python of an environment with {engine} installed>"
     )
 
 
