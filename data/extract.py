@@ -88,7 +88,7 @@ from eyas.data.store import (
     write_safetensors,
 )
 from eyas.data.types import Sample
-from eyas.serving.engine_process import EngineServerConfig
+from eyas.serving.engine_process import EngineServerConfig, check_server_url
 from eyas.serving.models.target import TargetConfig
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,8 @@ class ExtractConfig:
             raise ValueError(f"extract.backend must be 'transformers' or 'vllm', not {self.backend!r}")
         if self.server_url and self.backend == "transformers":
             raise ValueError("extract.server_url needs extract.backend=vllm")
+        if self.server_url:
+            check_server_url(self.server_url, "extract.server_url")
         if self.server_url and not self.server_states_dir:
             raise ValueError(
                 "extract.server_url needs extract.server_states_dir=<the server's shared_storage_path, as this "
