@@ -215,8 +215,7 @@ def run(
     stages for the report."""
     from eyas.eval.prompts import load_prompt_ids
     from eyas.eval.report import print_engine_table, print_table, write_report
-    from eyas.serving.load import load_drafter, with_drafter_aux_layers
-    from eyas.serving.models.target import load_target
+    from eyas.serving.load import load_drafter, load_target_for_drafter
 
     ecfg = job.eval
     engine_only = ecfg.engine != "bundled" and not ecfg.bundled
@@ -231,7 +230,7 @@ def run(
     chosen = choose_target(job.target, ecfg.export_dir, "eval", caller_loaded=target is not None)
     job = replace(job, target=chosen.config)
     if target is None and not engine_only:
-        target = load_target(with_drafter_aux_layers(job.target, ecfg.export_dir))
+        target = load_target_for_drafter(job.target, ecfg.export_dir)
     if target is not None:
         check_target(chosen.record, target.info, ecfg.export_dir)
     numerics = None
