@@ -354,6 +354,41 @@ def _load_rng(p: Path) -> Any:
         return _torch_load(p)
 
 
+# What DeepSpeed's own checkpoint files pickle besides tensors and containers (seen in a ZeRO-2 optimizer state);
+# DeepSpeed loads them with weights_only=False, so eyas scans each file's pickle for the objects it would build
+# (without running it) and lets through these and DeepSpeed's enums only.
+_DEEPSPEED_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    }
+)
+
+
+def _deepspeed_enum(name: str) -> bool:
+    import enum
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    if not module.startswith("deepspeed."):
+        return False
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(obj, type) and issubclass(obj, enum.Enum)
+
+
+def _scan_deepspeed_file(p: Path) -> None:
+    """Raise ``pickle.UnpicklingError`` naming the object when ``p`` would build anything but tensors, containers
+    and DeepSpeed's known state classes (:func:`_read` turns it into the refusal)."""
+    names = torch.serialization.get_unsafe_globals_in_checkpoint(p)
+    bad = [g for g in names if g not in _DEEPSPEED_GLOBALS and not _deepspeed_enum(g)]
+    if bad:
+        raise pickle.UnpicklingError(f"unsupported GLOBAL {bad[0]}")
+
+
 def check_identity(state: TrainerState, config_hash: str, identity: dict[str, Any], path: Path) -> None:
     if state.config_hash == config_hash:
         return
@@ -392,6 +427,8 @@ def load_checkpoint(
             raise CheckpointMismatchError(
                 f"checkpoint {path} holds no DeepSpeed state; resume without DeepSpeed"
             )
+        for f in sorted((path / "ds").rglob("*.pt")):  # DeepSpeed unpickles them with weights_only=False
+            _read(path, str(f.relative_to(path)), _scan_deepspeed_file)
         load_path, _ = _read(
             path,
             "ds",

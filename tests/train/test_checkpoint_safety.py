@@ -95,3 +95,56 @@ def test_an_rng_file_written_before_the_tensor_format_still_resumes(tmp_path):
     np.random.seed(0)
     load_checkpoint(path, config_hash="h", identity={}, **kw)
     assert np.random.standard_normal(2).tolist() == want
+
+
+def _deepspeed_run(tmp_path, optim_state):
+    """A checkpoint whose ``ds/`` holds ``optim_state`` as DeepSpeed's optimizer file, and a run under DeepSpeed whose
+    engine (which unpickles ds/ with weights_only=False) records in ``kw["asked"]`` that it was asked to load it."""
+    from accelerate.utils import DistributedType
+
+    kw = _stub_run()
+    path = _save(tmp_path, kw)
+    (path / "optimizer.pt").unlink()
+    ds = path / "ds" / "ds"
+    ds.mkdir(parents=True)
+    torch.save({"module": {"w": torch.zeros(2)}}, ds / "mp_rank_00_model_states.pt")
+    torch.save(optim_state, ds / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+    asked: list[str] = []
+
+    def load_checkpoint(ds_dir, **k):
+        asked.append(ds_dir)
+        return None, None  # "nothing loaded": the run stops there, named
+
+    kw["accelerator"].distributed_type = DistributedType.DEEPSPEED
+    kw["model"].load_checkpoint = load_checkpoint
+    return path, kw, asked
+
+
+def test_a_pickled_payload_in_a_deepspeed_file_is_refused_before_deepspeed_reads_it(tmp_path):
+    marker = tmp_path / "payload-ran"
+    path, kw, asked = _deepspeed_run(tmp_path, {"optimizer_state_dict": {"x": MarkerPayload(str(marker))}})
+    with pytest.raises(DamagedCheckpointError) as e:
+        load_checkpoint(path, config_hash="h", identity={}, **kw)
+    assert not asked and not marker.exists()
+    msg = str(e.value)
+    assert "ds/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt" in msg and "mknod" in msg and str(path) in msg
+
+
+def test_deepspeeds_own_state_classes_pass_the_scan(tmp_path):
+    """What a ZeRO-2 optimizer file pickles (its stage enum, loss scaler and fragment addresses) goes to DeepSpeed."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    state = {
+        "optimizer_state_dict": {
+            "loss_scaler": LossScaler(1.0),
+            "zero_stage": ZeroStageEnum.gradients,
+            "param_slice_mappings": [{"w": fragment_address(numel=2, start=0)}],
+        }
+    }
+    path, kw, asked = _deepspeed_run(tmp_path, state)
+    with pytest.raises(DamagedCheckpointError, match="could not be loaded by DeepSpeed"):
+        load_checkpoint(path, config_hash="h", identity={}, **kw)
+    assert asked == [str(path / "ds")]
