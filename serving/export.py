@@ -79,7 +79,14 @@ from eyas.common import (
     recover_dir,
     replace_dir,
 )
-from eyas.serving.load import SGLANG_ARCH, DrafterLoadError, export_format
+from eyas.serving.load import (
+    SGLANG_ARCH,
+    DrafterLoadError,
+    export_format,
+    read_export_json,
+    read_export_weights,
+    read_sidecar,
+)
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, rope_parameters_of
 from eyas.serving.models.target import TargetConfig, aux_layer_problem
 from eyas.serving.target_record import (
@@ -926,43 +933,6 @@ def _drafter_config_from(
         raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e
     except ValueError as e:
         raise ExportError(f"{path}: {e}") from e
-
-
-REEXPORT = (
-    "export it again from its trainer checkpoint (python -m eyas.serving.export export.checkpoint=<run>/best "
-    "export.out_dir=<this directory> export.overwrite=true)"
-)
-
-
-def read_export_json(path: Path, what: str) -> dict[str, Any]:
-    """``config.json`` or ``eyas_export.json`` of an export as a dict; :class:`ExportError` naming the file and the
-    way out when it is not a JSON object (truncated, overwritten, half copied)."""
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        data = e
-    if not isinstance(data, dict):
-        why = f"not valid JSON ({data})" if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
-        fix = REEXPORT if what == CONFIG else f"delete it (no server reads it) or {REEXPORT}"
-        raise ExportError(f"{path}: the export's {what} is damaged ({why}); {fix}")
-    return data
-
-
-def read_sidecar(d: Path) -> dict[str, Any]:
-    """An export's ``eyas_export.json`` ({} when it has none: servers never need it)."""
-    return read_export_json(d / EYAS_SIDECAR, EYAS_SIDECAR) if (d / EYAS_SIDECAR).exists() else {}
-
-
-def read_export_weights(w_path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(w_path))
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type, or OSError
-        raise ExportError(
-            f"{w_path}: the export's weights cannot be read ({type(e).__name__}: {e}): the file is damaged "
-            f"(truncated or half copied); {REEXPORT}"
-        ) from None
 
 
 def load_exported(

@@ -31,6 +31,7 @@ from eyas.serving.models.drafter import (
     load_trained_drafter,
 )
 from eyas.serving.models.target import Target, aux_layer_problem
+from eyas.serving.target_record import EXPORT_SIDECAR
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 FORMATS = ("sglang", "speculators", "trainer")
@@ -38,6 +39,48 @@ FORMATS = ("sglang", "speculators", "trainer")
 
 class DrafterLoadError(ValueError):
     """A directory that holds no drafter eyas can load; the message says what it needs."""
+
+
+class DamagedExportError(DrafterLoadError):
+    """A file of an export that cannot be read (truncated, overwritten, half copied); the message names it."""
+
+
+REEXPORT = (
+    "export it again from its trainer checkpoint (python -m eyas.serving.export export.checkpoint=<run>/best "
+    "export.out_dir=<this directory> export.overwrite=true)"
+)
+
+
+def read_export_json(path: Path, what: str) -> dict[str, Any]:
+    """``config.json`` or ``eyas_export.json`` of an export as a dict; :class:`DamagedExportError` naming the file
+    and the way out when it is not a JSON object (truncated, overwritten, half copied)."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = e
+    if not isinstance(data, dict):
+        why = f"not valid JSON ({data})" if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
+        fix = f"delete it (no server reads it) or {REEXPORT}" if what == EXPORT_SIDECAR else REEXPORT
+        raise DamagedExportError(f"{path}: the export's {what} is damaged ({why}); {fix}")
+    return data
+
+
+def read_sidecar(d: Path) -> dict[str, Any]:
+    """An export's ``eyas_export.json`` ({} when it has none: servers never need it)."""
+    return read_export_json(d / EXPORT_SIDECAR, EXPORT_SIDECAR) if (d / EXPORT_SIDECAR).exists() else {}
+
+
+def read_export_weights(w_path: Path) -> dict[str, torch.Tensor]:
+    """An export's tensors; :class:`DamagedExportError` naming the file when it cannot be read."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(w_path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type, or OSError
+        raise DamagedExportError(
+            f"{w_path}: the export's weights cannot be read ({type(e).__name__}: {e}): the file is damaged "
+            f"(truncated or half copied); {REEXPORT}"
+        ) from None
 
 
 def export_format(config: dict[str, Any]) -> str | None:
@@ -91,12 +134,8 @@ def resolve_drafter_dir(path: str | Path) -> tuple[Path, str]:
             )
         raise DrafterLoadError(f"drafter {str(path)!r} is not a directory")
     fmt = drafter_format(path)
-    if fmt is None and (path / "config.json").is_file():
-        from eyas.serving.export import read_export_json
-
-        read_export_json(
-            path / "config.json", "config.json"
-        )  # a damaged export is named, not "no drafter here"
+    if fmt is None and (path / "config.json").is_file():  # a damaged export is named, not "no drafter here"
+        read_export_json(path / "config.json", "config.json")
     if fmt is None:
         best = path / "best"
         found = best if drafter_format(best) == "trainer" else find_drafter(path / "checkpoints")
@@ -152,9 +191,9 @@ def with_drafter_aux_layers(target_cfg, drafter: str | Path | None, runs_dir: st
 
 
 def load_target_for_drafter(target_cfg, drafter: str | Path | None, runs_dir: str | Path = "runs") -> Target:
-    """:func:`serving.target.load_target` of ``with_drafter_aux_layers(target_cfg, drafter, runs_dir)``; aux layer
+    """:func:`serving.models.target.load_target` of ``with_drafter_aux_layers(target_cfg, drafter, runs_dir)``; aux layer
     ids the drafter supplied that this target does not have are refused as the drafter's, naming it."""
-    from eyas.serving.target import load_target
+    from eyas.serving.models.target import load_target
 
     cfg = with_drafter_aux_layers(target_cfg, drafter, runs_dir)
     if cfg.aux_layers == target_cfg.aux_layers:

@@ -25,8 +25,8 @@ from eyas.data.extract_engine import (
     engine_target,
 )
 from eyas.data.types import Sample
-from eyas.serving.engines import REPO_ROOT, EngineError, EngineServerConfig
-from eyas.serving.target import TargetConfig
+from eyas.serving.engine_process import REPO_ROOT, EngineError, EngineServerConfig
+from eyas.serving.models.target import TargetConfig
 
 SAMPLE = Sample(id="s0", input_ids=[3, 4, 5], loss_mask=[False, True, True])
 

@@ -12,7 +12,7 @@ from eyas.data.extract import ExtractConfig, extract
 from eyas.data.store import MANIFEST, FeatureStore, StoreError
 
 from ..conftest import make_tiny_target
-from ..test_store import random_samples
+from .test_store import random_samples
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ import pytest
 
 from eyas.common import ConfigError
 from eyas.eval.stage import EvalJob, EvalStageConfig, run
-from eyas.serving.drafter import Eagle3Drafter
-from eyas.serving.drafters import random_drafter
-from eyas.serving.engines import free_port
+from eyas.serving.engine_process import free_port
 from eyas.serving.export import export
-from eyas.serving.target import TargetConfig, load_target
+from eyas.serving.load import random_drafter
+from eyas.serving.models.drafter import Eagle3Drafter
+from eyas.serving.models.target import TargetConfig, load_target
 
 from ..conftest import run_app
 
@@ -40,7 +40,7 @@ def _job(tmp_path, target, work_dir, **kw) -> EvalJob:
     d = tmp_path / "export"
     if not d.exists():
         export(random_drafter(target, draft_vocab_size=64), target, d)
-    ecfg = EvalStageConfig(prompt_sets=SETS, checkpoint=str(d), profile=None, methods=["eagle3-chain"], **kw)
+    ecfg = EvalStageConfig(prompt_sets=SETS, export_dir=str(d), profile=None, methods=["eagle3-chain"], **kw)
     return EvalJob(eval=ecfg, work_dir=str(work_dir))
 
 
@@ -102,19 +102,19 @@ def test_the_commands_end_in_one_line_with_status_2_before_loading_the_target(
 ):
     """``python -m eyas.eval`` and the pipeline (whose eval comes after hours of training) check eval's settings
     first: one line, exit status 2, no target loaded."""
-    import eyas.serving.target
+    import eyas.serving.models.target
 
     def no_load(*a, **kw):
         raise ForwardRan("the target was loaded before the settings were checked")
 
-    monkeypatch.setattr(eyas.serving.target, "load_target", no_load)
+    monkeypatch.setattr(eyas.serving.models.target, "load_target", no_load)
     if module == "eval":
         from eyas.eval.__main__ import main
     else:
         from eyas.pipeline import main
     py = tmp_path / "nope" / "python"
     argv = ["eval.engine=vllm", f"eval.server.python={py}", f"work_dir={tmp_path / 'runs'}"]
-    assert run_app(main, argv + ["eval.checkpoint=x"] * (module == "eval"), monkeypatch, tmp_path) == 2
+    assert run_app(main, argv + ["eval.export_dir=x"] * (module == "eval"), monkeypatch, tmp_path) == 2
     assert (
         capsys.readouterr().err.strip().splitlines()[-1] == f"error: eval.server.python={py} does not exist"
     )

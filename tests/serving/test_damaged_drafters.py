@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from eyas.serving.drafter import save_drafter_weights
-from eyas.serving.drafters import DrafterLoadError, load_drafter, random_drafter
 from eyas.serving.export import (
     EYAS_SIDECAR,
     WEIGHTS,
@@ -20,7 +18,9 @@ from eyas.serving.export import (
     record_serving,
     run,
 )
-from eyas.serving.target import TargetConfig
+from eyas.serving.load import DrafterLoadError, load_drafter, random_drafter
+from eyas.serving.models.drafter import save_drafter_weights
+from eyas.serving.models.target import TargetConfig
 
 from ..conftest import make_tiny_target
 
@@ -104,7 +104,7 @@ def test_a_drafter_for_another_target_names_the_directory_and_the_target(tmp_pat
 
 def test_aux_layer_ids_the_target_lacks_are_said_to_come_from_the_export(tmp_path, tiny_target_dir):
     """A drafter for an 8-layer target evaluated on the 4-layer one: its aux ids come from its config."""
-    from eyas.serving.drafters import (
+    from eyas.serving.load import (
         load_target_for_drafter,
     )  # what eval, diagnose and context load targets with
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import eyas.common
-from eyas.serving.drafters import DrafterLoadError, load_drafter, random_drafter
 from eyas.serving.export import WEIGHTS, ExportConfig, ExportError, export
+from eyas.serving.load import DrafterLoadError, load_drafter, random_drafter
 
 from ..conftest import make_tiny_target
 

@@ -22,7 +22,7 @@ from eyas.train.checkpoint import (
 )
 from eyas.train.losses import DistillationModel
 
-from ..test_train_loop import tiny_setup
+from .test_trainer import tiny_setup
 
 
 class MarkerPayload:
