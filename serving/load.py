@@ -60,7 +60,11 @@ def read_export_json(path: Path, what: str) -> dict[str, Any]:
         data = e
     if not isinstance(data, dict):
         why = f"not valid JSON ({data})" if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
-        fix = f"delete it (no server reads it) or {REEXPORT}" if what == EXPORT_SIDECAR else REEXPORT
+        fix = (
+            f"{REEXPORT}, or delete it (no server reads it; eyas then needs target= for this export)"
+            if what == EXPORT_SIDECAR
+            else REEXPORT
+        )
         raise DamagedExportError(f"{path}: the export's {what} is damaged ({why}); {fix}")
     return data
 
