@@ -88,7 +88,7 @@ from eyas.data.store import (
     write_safetensors,
 )
 from eyas.data.types import Sample
-from eyas.serving.engine_process import EngineServerConfig
+from eyas.serving.engine_process import EngineServerConfig, check_server_url
 from eyas.serving.models.target import TargetConfig
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,10 @@ class ExtractConfig:
     ``extract_hidden_states`` method; :mod:`eyas.data.extract_engine`)."""
     server_url: str | None = None
     """``backend=vllm``: a running server to use (None: eyas starts one from ``.venv-vllm`` and stops it)."""
+    server_states_dir: str | None = None
+    """``server_url``: the directory that server writes its hidden-states files to (its ``shared_storage_path``), as
+    this machine sees it. Required with ``server_url``: eyas reads, and deletes, only files its replies name inside
+    it."""
     server: EngineServerConfig = field(default_factory=EngineServerConfig)
     """``backend=vllm``: how eyas starts the server (``python``, ``dtype``, ``max_model_len``, ``args``...)."""
     concurrency: int = 4
@@ -137,6 +141,13 @@ class ExtractConfig:
             raise ValueError(f"extract.backend must be 'transformers' or 'vllm', not {self.backend!r}")
         if self.server_url and self.backend == "transformers":
             raise ValueError("extract.server_url needs extract.backend=vllm")
+        if self.server_url:
+            check_server_url(self.server_url, "extract.server_url")
+        if self.server_url and not self.server_states_dir:
+            raise ValueError(
+                "extract.server_url needs extract.server_states_dir=<the server's shared_storage_path, as this "
+                "machine sees it>: eyas reads and deletes only the files a server reply names inside it"
+            )
         if self.concurrency < 1:
             raise ValueError(f"extract.concurrency must be >= 1, not {self.concurrency}")
         if self.shard_size < 1:

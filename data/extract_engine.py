@@ -7,7 +7,8 @@ flight), reads the safetensors file the engine writes per request (``hidden_stat
 its path in the response's ``kv_transfer_params.hidden_states_path``), deletes it, and hands the rows to the same
 shard writer, manifest, checksums and resume logic as the transformers backend (:mod:`eyas.data.extract`).
 ``extract.server_url=<url>`` uses a server someone already runs (started with :func:`vllm_extract_command`'s
-speculative and KV-transfer configs; its files must be readable here, e.g. on a shared filesystem).
+speculative and KV-transfer configs; its files must be readable here, e.g. on a shared filesystem, under the same
+path: ``extract.server_states_dir``).
 
 Design decisions:
 - Layer ids. eyas aux id ``i`` is the output of decoder layer ``i``; vLLM collects the residual stream
@@ -23,8 +24,12 @@ Design decisions:
   or head cannot be read that way fall back to loading the whole target (logged).
 - Prefix caching is off in the server eyas starts: every request is computed in full, so two samples sharing a
   prefix never share cached rows (correctness first; on a GPU it would save prefill time).
-- A file is deleted as soon as its rows are in memory: a crash before the shard is written loses those requests,
-  and the resumed job re-sends them (shard k depends only on its samples, so the store is the same).
+- A file is deleted as soon as its rows are in memory and checked (this sample's tokens, the layers asked for): a
+  crash before the shard is written loses those requests, and the resumed job re-sends them (shard k depends only
+  on its samples, so the store is the same). A file that fails to parse or to check is kept and named.
+- A server reply is not trusted with paths: the file it names is read, and deleted, only when it lies inside the
+  states directory (``.engine-states/`` of the store for a server eyas starts, ``extract.server_states_dir`` for
+  one at ``extract.server_url``), symlinks resolved; anything else is refused before it is opened.
 - CPU: vLLM's ``ExampleHiddenStatesConnector`` saves through CUDA streams and pinned memory and kills the CPU engine
   (serving/vllm_plugins/vllm_cpu_hidden_states.py explains); eyas puts that folder on ``PYTHONPATH`` and uses its
   ``CPUHiddenStatesConnector``. CUDA: vLLM's own connector.
@@ -177,15 +182,34 @@ def read_states_file(path: str | os.PathLike, timeout_s: float = 300.0, poll_s: 
             except Exception as e:  # still being written
                 last_error = e
         if time.monotonic() > deadline:
-            why = f" (last error: {last_error})" if last_error else ""
+            if last_error is not None and os.path.exists(path):
+                raise EngineError(
+                    f"the engine's hidden-states file {path} is not a readable safetensors file after "
+                    f"{timeout_s:.0f} s ({type(last_error).__name__}: {last_error}); it is kept for inspection"
+                )
             raise EngineError(
-                f"the engine's hidden-states file {path} did not appear within {timeout_s:.0f} s{why}: is the "
+                f"the engine's hidden-states file {path} did not appear within {timeout_s:.0f} s: is the "
                 "server's shared_storage_path readable from this machine?"
             )
         time.sleep(poll_s)
 
 
+def states_path(reply_path: str, states_dir: str | os.PathLike, url: str) -> str:
+    """``reply_path``, the file a server reply names, when it lies inside ``states_dir`` (symlinks resolved);
+    :class:`EngineError` otherwise: eyas opens and deletes nothing outside the directory it was given."""
+    root = os.path.realpath(states_dir)
+    real = os.path.realpath(reply_path)
+    if os.path.commonpath([root, real]) != root or real == root:
+        raise EngineError(
+            f"{url} named {reply_path!r} as its hidden-states file, which is not inside the states directory "
+            f"{root}; refused (eyas reads and deletes only files inside it). Point extract.server_states_dir at "
+            "the server's shared_storage_path, as this machine sees it"
+        )
+    return reply_path
+
+
 def remove_states_file(path: str | os.PathLike) -> None:
+    """Delete an engine file and its ``.lock`` (the caller checked that ``path`` lies in the states directory)."""
     for p in (str(path), str(path) + ".lock"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(p)
@@ -331,7 +355,9 @@ class EngineTarget:
                     f"sample {s.id!r} has token ids outside the target's vocabulary [0, {codec.vocab_size}): was "
                     "it tokenized with another tokenizer?"
                 )
-        states = self.client.fetch_all(samples, on_progress)
+        states = self.client.fetch_all(
+            samples, on_progress, check=lambda s, st: check_states(s, st, codec.num_aux, codec.hidden_size)
+        )
         return pack_states(samples, states, codec, self.final_norm, self.head, self.dtype)
 
 
@@ -424,6 +450,8 @@ class HiddenStatesClient:
     """Sends samples to a server running ``extract_hidden_states`` and reads back its files."""
 
     url: str
+    states_dir: str | os.PathLike
+    """Where the server writes its files, as this machine sees it: a reply naming a file elsewhere is refused."""
     model: str | None = None
     concurrency: int = 4
     timeout_s: float = 600.0
@@ -458,7 +486,9 @@ class HiddenStatesClient:
             )
         return str(path)
 
-    def fetch(self, sample: Sample) -> dict | None:
+    def fetch(self, sample: Sample, check: Callable[[Sample, dict], Any] | None = None) -> dict | None:
+        """The tensors of ``sample``'s file; it is deleted once read and ``check(sample, tensors)`` passed, and kept
+        (named in the error) when either fails."""
         if sample.num_tokens == 0:
             return None
         if self.max_len is not None and sample.num_tokens > self.max_len - 1:
@@ -467,20 +497,27 @@ class HiddenStatesClient:
                 f"(--max-model-len {self.max_len} holds the prompt and one generated token): raise "
                 "extract.server.max_model_len"
             )
-        path = self.request(sample)
-        try:
-            return read_states_file(path, self.timeout_s)
-        finally:
-            if not self.keep_files:
-                remove_states_file(path)
+        path = states_path(self.request(sample), self.states_dir, self.url)
+        states = read_states_file(path, self.timeout_s)
+        if check is not None:
+            try:
+                check(sample, states)
+            except EngineFeatureError as e:
+                raise EngineFeatureError(f"{e} (the file is kept: {path})") from None
+        if not self.keep_files:
+            remove_states_file(path)
+        return states
 
-    def fetch_all(self, samples: Sequence[Sample], on_progress=None) -> list[dict | None]:
-        """Every sample's tensors, in input order, ``concurrency`` requests in flight."""
+    def fetch_all(
+        self, samples: Sequence[Sample], on_progress=None, check: Callable[[Sample, dict], Any] | None = None
+    ) -> list[dict | None]:
+        """Every sample's tensors, in input order, ``concurrency`` requests in flight (``check``: see
+        :meth:`fetch`)."""
         self.served_model()
         out: list[dict | None] = []
 
         def one(s: Sample) -> dict | None:
-            return self.fetch(s)
+            return self.fetch(s, check)
 
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="engine-extract") as pool:
             for s, st in zip(samples, pool.map(one, samples)):
@@ -501,10 +538,13 @@ def engine_target(
     (from ``.venv-vllm``) and stops on every exit path."""
     server_cfg: EngineServerConfig = extract_cfg.server
     need_head = extract_cfg.store.distribution == "topk"
+    # the engine's interpreter first: a missing venv is named before anything is loaded or created
+    python = None if extract_cfg.server_url else engine_python("vllm", server_cfg, key="extract.server")
     target = load_engine_target(target_cfg, server_cfg.dtype, need_head)
     if extract_cfg.server_url:
         target.client = HiddenStatesClient(
             extract_cfg.server_url,
+            extract_cfg.server_states_dir,
             concurrency=extract_cfg.concurrency,
             timeout_s=server_cfg.request_timeout_s,
         )
@@ -519,7 +559,6 @@ def engine_target(
     states_dir = Path(out_dir) / ENGINE_STATES_DIR
     shutil.rmtree(states_dir, ignore_errors=True)  # a killed job's files: their shards are redone anyway
     states_dir.mkdir(parents=True, exist_ok=True)
-    python = engine_python("vllm", server_cfg)
     port = server_cfg.port or free_port(server_cfg.host)
     target_dir, _ = model_source(target_cfg)
     env = engine_env("vllm", server_cfg, cuda, extract_cfg.threads)
@@ -547,6 +586,7 @@ def engine_target(
         server.wait_ready(server_cfg.startup_timeout_s)
         target.client = HiddenStatesClient(
             server.url,
+            states_dir,
             model=SERVED_NAME,
             concurrency=extract_cfg.concurrency,
             timeout_s=server_cfg.request_timeout_s,

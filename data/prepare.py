@@ -5,9 +5,11 @@
 ``prepare.regen.engine=server`` regenerates through a serving engine (:mod:`eyas.data.regenerate_server`).
 
 Design decisions:
-- The output directory is keyed by a hash of everything that shapes it (corpus config, prepare settings, the
-  tokenizer's fingerprint, and the target when regenerating), so a rerun with the same config reuses a finished
-  directory and resumes an unfinished one (regeneration appends per batch and skips finished ids).
+- The output directory is keyed by a hash of everything that shapes it (corpus config, the content of its local
+  files, prepare settings, the tokenizer's fingerprint, and the target when regenerating), so a rerun with the
+  same config and files reuses a finished directory and resumes an unfinished one (regeneration appends per batch
+  and skips finished ids), while an edited or grown corpus file gets a new directory. A file is keyed by its
+  sha256 up to ``HASH_LIMIT`` bytes (a fraction of a second), a larger one by its size and mtime.
 - Layout, per split (``train``/``eval``): ``conversations.jsonl`` (docs/DESIGN.md records; the regenerated ones when
   regenerating) and ``samples.jsonl`` (``{"id", "source", "input_ids", "loss_mask"}``, mask as 0/1, the input
   of ``data.extract``); plus ``corpus.json`` (resolved config and per-source stats, ShareGPT recovery included)
@@ -19,6 +21,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -34,9 +37,10 @@ from eyas.common import (
     build_config,
     ensure_out_dir,
     json_hash,
+    sha256_file,
 )
 from eyas.data.chat import FormatStats, format_conversations
-from eyas.data.corpora.config import SPLITS, CorpusConfig, corpus_config_from_dict
+from eyas.data.corpora.config import SPLITS, CorpusConfig, SourceConfig, corpus_config_from_dict
 from eyas.data.corpora.mixtures import CorpusSplits, load_corpus
 from eyas.data.corpora.readers import iter_jsonl
 from eyas.data.regenerate import (
@@ -165,10 +169,62 @@ def read_conversations(path: str | os.PathLike) -> list[Conversation]:
 
 
 # -- the stage ---------------------------------------------------------------------------------------------------
-def config_hash(cfg: PrepareConfig, tokenizer_fingerprint: str, target_name: str | None) -> str:
-    """What the output depends on: corpus, formatting and regeneration settings, tokenizer (and target)."""
+HASH_LIMIT = 64 << 20
+"""Input files up to this many bytes are keyed by their sha256; larger ones by size and modification time."""
+
+
+def _local_files(path: str) -> list[Path]:
+    """The files a source path names (a file, every file under a directory, a glob's matches)."""
+    p = Path(os.path.expanduser(path))
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        return sorted(f for f in p.rglob("*") if f.is_file())
+    return sorted(f for f in map(Path, glob.glob(str(p), recursive=True)) if f.is_file())
+
+
+def _file_key(p: Path) -> list[Any]:
+    st = p.stat()
+    content = f"sha256:{sha256_file(p)}" if st.st_size <= HASH_LIMIT else f"mtime_ns:{st.st_mtime_ns}"
+    return [str(p), st.st_size, content]
+
+
+def source_inputs(src: SourceConfig) -> dict[str, Any]:
+    """What a source reads besides its config: its local files' content (:func:`_file_key`), or for a packaged
+    kind read from its wheel, the wheel's requirement."""
+    from eyas.data.packaged import EVALS, HUMANEVAL, MT_BENCH, SHAREGPT
+
+    packaged = {"sharegpt": SHAREGPT, "evals": EVALS, "mt_bench": MT_BENCH, "humaneval": HUMANEVAL}.get(
+        src.kind
+    )
+    local = [src.path] if src.path else []
+    if packaged is not None and not local and os.environ.get(packaged.env_var):
+        local.append(os.environ[packaged.env_var])  # the local copy the packaged readers take instead
+    local += list(src.data_files or [])
+    if src.kind == "hf" and src.dataset and Path(src.dataset).expanduser().exists():
+        local.append(src.dataset)
+    out: dict[str, Any] = {"files": [_file_key(f) for x in local for f in _local_files(x)]}
+    if packaged is not None and not src.path and not os.environ.get(packaged.env_var):
+        out["requirement"] = src.requirement or packaged.requirement
+    return out
+
+
+def corpus_inputs(corpus: CorpusConfig) -> dict[str, Any]:
+    """:func:`source_inputs` of every source, by name."""
+    return {src.name: source_inputs(src) for src in corpus.sources}
+
+
+def config_hash(
+    cfg: PrepareConfig,
+    tokenizer_fingerprint: str,
+    target_name: str | None,
+    inputs: dict[str, Any] | None = None,
+) -> str:
+    """What the output depends on: corpus, formatting and regeneration settings, tokenizer (and target), and
+    ``inputs``, the content of the corpus's files (:func:`corpus_inputs`)."""
     key = {
         "corpus": asdict(cfg.corpus),
+        "inputs": inputs,
         "max_len": cfg.max_len,
         # threads/progress and the stopping points do not change what a finished output holds
         "regenerate": _regen_key(cfg.regen) if cfg.regenerate else None,
@@ -195,6 +251,19 @@ def _target_name(target) -> str | None:
     return target.name if isinstance(target, ServerTarget) else target.info.name
 
 
+def _changed_inputs(before: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
+    """The files (or wheels) whose content differs between two :func:`corpus_inputs`."""
+    if before is None:
+        return []
+    old = {f[0]: f for src in before.values() for f in src.get("files", [])}
+    new = {f[0]: f for src in now.values() for f in src.get("files", [])}
+    return sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k)) + [
+        f"{name} ({src.get('requirement')})"
+        for name, src in now.items()
+        if src.get("requirement") != (before.get(name) or {}).get("requirement")
+    ]
+
+
 def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult:
     """Run the stage. ``target`` (a :class:`serving.models.target.Target`; with ``regen.engine=server`` a
     :class:`data.regenerate_server.ServerTarget`) is needed to regenerate; otherwise its tokenizer, or
@@ -213,7 +282,8 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
         raise ValueError("prepare needs the target's tokenizer: pass target= or tokenizer=")
     name = _target_name(target)
     tok_fp = tokenizer_hash(tok)
-    key = config_hash(cfg, tok_fp, name)
+    inputs = corpus_inputs(cfg.corpus)
+    key = config_hash(cfg, tok_fp, name, inputs)
     out = Path(cfg.out_dir) if cfg.out_dir else Path(cfg.work_dir) / "prepare" / key
     if cfg.out_dir:
         ensure_out_dir(out, "prepare.out_dir")
@@ -224,10 +294,16 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
         summary = json.loads(summary_path.read_text())
         made_by = summary.get("config_hash")
         if made_by is not None and made_by != key:  # only a fixed out_dir can hold another config's output
-            raise ValueError(
-                f"{out} holds data prepared with other settings (config hash {made_by}, these settings give "
-                f"{key}: corpus, max_len, regeneration settings or tokenizer differ). Use another "
-                "prepare.out_dir, or leave it unset so every configuration gets its own directory."
+            changed = _changed_inputs(summary.get("inputs"), inputs)
+            why = (
+                f"the corpus files changed since: {', '.join(changed[:5])}"
+                if changed
+                else "corpus, its files, max_len, regeneration settings or tokenizer differ"
+            )
+            raise InputError(
+                f"prepare.out_dir={out} holds data prepared with other settings or inputs (config hash {made_by}, "
+                f"now {key}: {why}). Use another prepare.out_dir, or leave it unset so every configuration gets "
+                "its own directory"
             )
         if summary.get("complete", True) or not cfg.regenerate:
             log.info("prepare: reusing the finished output in %s", out)
@@ -250,7 +326,8 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
         if session is not None:
             session.close()
     result = PrepareResult(out_dir=out, splits=splits, corpus_stats=corpus_stats)
-    atomic_write_json(summary_path, {**result.to_dict(), "complete": result.complete, "config_hash": key})
+    summary = {**result.to_dict(), "complete": result.complete, "config_hash": key, "inputs": inputs}
+    atomic_write_json(summary_path, summary)
     return result
 
 

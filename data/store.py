@@ -520,12 +520,19 @@ class Manifest:
                 f"{where}: store format version {d.get('format_version')} is not the supported {FORMAT_VERSION}; "
                 "re-extract with this eyas version"
             )
+        shards = [ShardEntry(**s) for s in d["shards"]]
+        for k, entry in enumerate(shards):  # the only names eyas writes: a path elsewhere is never opened
+            if entry.file != shard_name(k):
+                raise StoreError(
+                    f"{where}: shard {k} is listed as {entry.file!r}, not {shard_name(k)!r} inside the store "
+                    "directory: the manifest was edited or damaged; restore it, or extract into a new directory"
+                )
         return cls(
             target=dict(d["target"]),
             target_dtype=str(d["target_dtype"]),
             options=dict(d["options"]),
             shard_size=int(d["shard_size"]),
-            shards=[ShardEntry(**s) for s in d["shards"]],
+            shards=shards,
             complete=bool(d["complete"]),
             run=dict(d.get("run") or {}),
         )

@@ -223,8 +223,7 @@ def run(
 ) -> ContextResult:
     """Measure every method at every length (see the module docstring); writes JSON, markdown and the figure.
     The target is loaded, the drafter loaded from ``context.export_dir`` and the prompts built unless given."""
-    from eyas.serving.load import with_drafter_aux_layers
-    from eyas.serving.models.target import load_target
+    from eyas.serving.load import load_target_for_drafter
 
     cfg = job.context
     if drafter is None and cfg.export_dir is None and any(m.startswith("eagle3") for m in cfg.methods):
@@ -234,9 +233,7 @@ def run(
         )
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    target = (
-        target if target is not None else load_target(with_drafter_aux_layers(job.target, cfg.export_dir))
-    )
+    target = target if target is not None else load_target_for_drafter(job.target, cfg.export_dir)
     limit = int(target.model.config.get_text_config().max_position_embeddings)
     room = cfg.prompts.max_new_tokens + 2 * cfg.chain_length + 2
     too_long = [n for n in cfg.lengths if n + room > limit]

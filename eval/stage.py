@@ -15,12 +15,19 @@ from typing import Any
 
 import torch
 
-from eyas.common import ConfigError, build_config, json_hash
+from eyas.common import ConfigError, build_config, ensure_out_dir, json_hash
 from eyas.eval.acceptance import AcceptanceResult, MethodSpec, PromptSetSpec, default_methods, run_acceptance
 from eyas.eval.engine_eval import EngineSetResult
 from eyas.eval.profile import ProfileConfig, StepProfile, profile_steps
 from eyas.eval.recommend import ChainLengthRecommendation, recommend_chain_length
-from eyas.serving.engine_process import ENGINES, EngineName, EngineServerConfig
+from eyas.serving.engine_process import (
+    ENGINES,
+    EngineName,
+    EngineServerConfig,
+    check_server_answers,
+    check_server_url,
+    engine_python,
+)
 from eyas.serving.exactness import probe
 from eyas.serving.models.exact_attention import EXACT, MAX_ROWS
 from eyas.serving.models.target import Target, TargetConfig, cpu_has_bf16, tokenizer_hash
@@ -109,6 +116,8 @@ class EvalStageConfig:
             raise ValueError(
                 "eval.server_url needs eval.engine=vllm or eval.engine=sglang (which server it is)"
             )
+        if self.server_url:
+            check_server_url(self.server_url, "eval.server_url")
         if self.engine == "bundled" and not self.bundled:
             raise ValueError("eval.bundled=false needs an engine (eval.engine=vllm|sglang): nothing to run")
         if not self.prompt_sets:
@@ -179,6 +188,21 @@ class EvalResult:
     """The K to serve the EAGLE-3 chain with (needs ``profile``; see ``eval.recommend``)."""
 
 
+def check_before_running(job: EvalJob) -> None:
+    """What the stage writes to and talks to, checked before the target is loaded and anything runs, so that a bad
+    setting is named in one line instead of losing a whole evaluation: ``work_dir`` takes the report (not a file,
+    writable), and with an engine, its server answers at ``eval.server_url`` or its venv exists
+    (``eval.server.python``)."""
+    ecfg = job.eval
+    ensure_out_dir(Path(job.work_dir) / "eval", "work_dir", value=job.work_dir)
+    if ecfg.engine == "bundled":
+        return
+    if ecfg.server_url:
+        check_server_answers(ecfg.server_url, "eval.server_url", min(30.0, ecfg.server.request_timeout_s))
+    else:
+        engine_python(ecfg.engine, ecfg.server, key="eval.server")
+
+
 def run(
     job: EvalJob,
     target: Target | None = None,
@@ -191,8 +215,7 @@ def run(
     stages for the report."""
     from eyas.eval.prompts import load_prompt_ids
     from eyas.eval.report import print_engine_table, print_table, write_report
-    from eyas.serving.load import load_drafter, with_drafter_aux_layers
-    from eyas.serving.models.target import load_target
+    from eyas.serving.load import load_drafter, load_target_for_drafter
 
     ecfg = job.eval
     engine_only = ecfg.engine != "bundled" and not ecfg.bundled
@@ -200,13 +223,14 @@ def run(
         raise ConfigError(
             "eval.export_dir is not set: give the exported drafter directory, eval.export_dir=<dir>"
         )
+    check_before_running(job)
     if job.threads:
         torch.set_num_threads(job.threads)
     decontamination, exclude = check_decontaminated(ecfg)  # before the target loads: a refusal costs nothing
     chosen = choose_target(job.target, ecfg.export_dir, "eval", caller_loaded=target is not None)
     job = replace(job, target=chosen.config)
     if target is None and not engine_only:
-        target = load_target(with_drafter_aux_layers(job.target, ecfg.export_dir))
+        target = load_target_for_drafter(job.target, ecfg.export_dir)
     if target is not None:
         check_target(chosen.record, target.info, ecfg.export_dir)
     numerics = None

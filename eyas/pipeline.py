@@ -290,12 +290,15 @@ def pipeline_job(cfg, cls: type[J] = PipelineJob) -> J:
 
 def run_pipeline(job: PipelineJob, command: str = "python -m eyas.pipeline") -> PipelineResult:
     """Run every stage of ``job`` (see the module docstring); ``command``: the command line, for the report."""
+    from eyas.eval.stage import EvalJob, check_before_running
     from eyas.serving.models.target import load_target
 
     os.environ.setdefault("WANDB_SILENT", "true")  # the pipeline prints its own summary
     work_dir = Path(job.work_dir)
     if job.threads:
         torch.set_num_threads(job.threads)
+    # the last stage's outputs and engine, checked before hours of the others: not found after training
+    check_before_running(EvalJob(target=job.target, eval=job.eval, work_dir=job.work_dir))
 
     t0 = time.perf_counter()
     target = load_target(job.target)

@@ -30,11 +30,14 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from eyas.common import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,37 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 class EngineError(RuntimeError):
     """The engine server could not be started, died, or answered something unusable."""
+
+
+class EngineSetupError(EngineError, ConfigError):
+    """A setting names an engine environment or server that is not there (a missing venv, a URL that is not one
+    or that nothing answers at): one line naming the setting, exit status 2, before any work is done."""
+
+
+def check_server_url(url: str, key: str) -> None:
+    """:class:`EngineSetupError` naming ``key`` unless ``url`` is an ``http(s)://host[:port]`` address."""
+    try:
+        parts = urllib.parse.urlsplit(str(url))
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        ok = ok and (
+            parts.port is None or parts.port > 0
+        )  # .port raises on a non-numeric or out-of-range port
+    except ValueError:
+        ok = False
+    if not ok:
+        raise EngineSetupError(f"{key}={url!r} is not a server address: give http://host:port")
+
+
+def check_server_answers(url: str, key: str, timeout_s: float = 10.0) -> str:
+    """The model a server at ``url`` lists under ``/v1/models``, or :class:`EngineSetupError` naming ``key`` when
+    nothing answers there: a dead address is found before the work, not after it."""
+    check_server_url(url, key)
+    try:
+        return served_model_name(url, timeout_s)
+    except (EngineError, ValueError, OSError) as e:
+        raise EngineSetupError(
+            f"{key}={url}: no engine server answers there ({e}); start it or fix the URL"
+        ) from None
 
 
 @dataclass
@@ -213,20 +247,21 @@ def health_ok(url: str, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def engine_python(engine: str, cfg: EngineServerConfig) -> str:
-    """The interpreter of the engine's venv; :class:`EngineError` naming ``make <engine>`` if there is none."""
+def engine_python(engine: str, cfg: EngineServerConfig, key: str = "eval.server") -> str:
+    """The interpreter of the engine's venv; :class:`EngineError` naming ``make <engine>`` if there is none.
+    ``key``: the setting ``cfg`` comes from (``eval.server``, ``extract.server``), named in the error."""
     if cfg.python:
         if not Path(cfg.python).exists():
-            raise EngineError(f"eval.server.python={cfg.python} does not exist")
+            raise EngineSetupError(f"{key}.python={cfg.python} does not exist")
         return cfg.python
     venv = ENGINE_VENVS[engine]
     for root in (Path.cwd(), REPO_ROOT):
         p = root / venv / "bin" / "python"
         if p.exists():
             return str(p)
-    raise EngineError(
+    raise EngineSetupError(
         f"no {engine} environment: run `make {engine}` in the eyas repository (it creates {venv}/), or give "
-        f"eval.server.python=<the python of an environment with {engine} installed>"
+        f"{key}.python=<the python of an environment with {engine} installed>"
     )
 
 

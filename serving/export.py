@@ -39,8 +39,11 @@ Design decisions (what each consumer does was read from its own model-loading co
   DeepSeek-V3 / Kimi-K2); so ``rope_scaling`` also carries the ``attn_factor`` that makes the two agree.
 - dtype: ``torch_dtype`` and ``dtype`` both written. Float tensors are cast to :attr:`ExportConfig.dtype`;
   ``d2t`` stays int64 and ``t2d`` bool.
-- Every check runs before anything is written; the directory is written under a temporary name and renamed
-  into place, so a failed export never leaves a half-written checkpoint or destroys an earlier one. ``overwrite``
+- Every check runs before anything is written; the directory is written under a temporary name, every file and the
+  directory fsynced, and swapped into place (``common.replace_dir``), so a failed export, a crash or a power loss
+  never leaves a half-written checkpoint or destroys an earlier one. Where the filesystem cannot swap directories
+  (NFS), the previous export is renamed aside to ``.<name>.old`` for a moment; a replace interrupted there is
+  undone by the next export to that directory (the previous export restored), and a loader names it. ``overwrite``
   replaces only an earlier eyas export (its ``eyas_export.json`` and nothing but export files), never a directory
   holding anything else or a plain file. Files are written 0644 and the directory 0755, whatever the umask: the
   server reading them often runs as another user.
@@ -72,8 +75,18 @@ from eyas.common import (
     atomic_write_bytes,
     base_config,
     ensure_out_dir,
+    fsync_tree,
+    recover_dir,
+    replace_dir,
 )
-from eyas.serving.load import SGLANG_ARCH, DrafterLoadError, export_format
+from eyas.serving.load import (
+    SGLANG_ARCH,
+    DrafterLoadError,
+    export_format,
+    read_export_json,
+    read_export_weights,
+    read_sidecar,
+)
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, rope_parameters_of
 from eyas.serving.models.target import TargetConfig, aux_layer_problem
 from eyas.serving.target_record import (
@@ -608,6 +621,7 @@ def export(
     out = Path(out_dir)
     include = cfg.embedding_included
 
+    recover_export(out)  # an earlier replace of out cut short: the previous export back before out is judged
     problems = check_compatibility(drafter, spec, cfg)
     tensors = {k: v.detach().cpu() for k, v in drafter.trainable_state_dict().items()}
     if include:
@@ -724,7 +738,7 @@ def record_serving(export_dir: str | os.PathLike, k: int, source: str) -> dict[s
     """Record chain length ``k`` (from ``source``, e.g. an evaluation report) in an export's ``eyas_export.json``
     (rewritten atomically) and return the new ``serve`` entry."""
     d = Path(export_dir)
-    sidecar = json.loads((d / EYAS_SIDECAR).read_text())
+    sidecar = read_export_json(d / EYAS_SIDECAR, EYAS_SIDECAR)
     target_ref = (sidecar.get("serve") or {}).get("target") or sidecar.get("target", {}).get(
         "name", "<target>"
     )
@@ -781,6 +795,27 @@ def output_dir_problem(out: Path, overwrite: bool) -> str | None:
     return None
 
 
+def aside_dir(out: Path) -> Path:
+    """Where :func:`common.replace_dir` keeps the previous export while it swaps in a new one without
+    ``RENAME_EXCHANGE``: present with ``out`` missing only when that replace was cut between its two renames."""
+    return out.with_name(f".{out.name}.old")
+
+
+def recover_export(out: Path) -> None:
+    """Undo a replace of ``out`` interrupted between its two renames: the previous export back in place."""
+    old = aside_dir(out)
+    if out.exists() or not old.is_dir():
+        return
+    try:
+        recover_dir(out)
+    except OSError as e:
+        raise ExportError(
+            f"{out} is missing: an export replacing it was interrupted, and the previous export at {old} cannot be "
+            f"moved back ({e.strerror or e}); move it back yourself (mv {old} {out})"
+        ) from None
+    log.warning("%s: restored the previous export from %s (an export replacing it was interrupted)", out, old)
+
+
 def _write_atomically(
     out: Path, cfg_json: dict, tensors: dict[str, torch.Tensor], sidecar: dict, overwrite: bool
 ) -> None:
@@ -790,25 +825,26 @@ def _write_atomically(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(cfg_json, indent=2) + "\n")
-        (tmp / EYAS_SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str) + "\n")
-        for name in EXPORT_FILES:  # safetensors writes 0600; servers may run as another user
-            (tmp / name).chmod(FILE_MODE)
-        tmp.chmod(DIR_MODE)
-        old = None
+        try:
+            tmp.mkdir()
+            save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+            (tmp / CONFIG).write_text(json.dumps(cfg_json, indent=2) + "\n")
+            (tmp / EYAS_SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str) + "\n")
+            for name in EXPORT_FILES:  # safetensors writes 0600; servers may run as another user
+                (tmp / name).chmod(FILE_MODE)
+            tmp.chmod(DIR_MODE)
+            fsync_tree(tmp)  # every byte on the disk before the directory takes the final name
+        except OSError as e:  # a full disk, a quota, an I/O error: the earlier export is untouched
+            raise ExportError(
+                f"cannot write the export to {tmp} (export.out_dir={out}): {e.strerror or e}; free space there or "
+                "choose another export.out_dir" + (f" ({out} is unchanged)" if out.exists() else "")
+            ) from None
         if out.exists():
             problem = output_dir_problem(out, overwrite)
             if problem:
                 raise ExportError(f"{out} changed while exporting; not replacing it: {problem}")
-            if any(out.iterdir()):
-                old = out.parent / f".{out.name}.old-{os.getpid()}"
-                out.rename(old)
-        tmp.rename(out)  # replaces an empty directory
-        if old is not None:
-            shutil.rmtree(old)
+        replace_dir(tmp, out)  # a swap where the filesystem can; else out aside, tmp in, out removed
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -911,21 +947,16 @@ def load_exported(
     ``embedding``: the target's input embedding (a tensor, an ``nn.Embedding`` or a loaded Target); required
     when the export has none. ``dtype``: of the parameters (default float32; the rope table stays fp32).
     """
-    from safetensors.torch import load_file
-
     d = Path(path)
     cfg_path, w_path = d / "config.json", d / WEIGHTS
     for p in (cfg_path, w_path):
         if not p.exists():
             raise FileNotFoundError(f"{p} does not exist; {d} is not an exported drafter directory")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{cfg_path}: not valid JSON ({e})") from e
-    sidecar = json.loads((d / EYAS_SIDECAR).read_text()) if (d / EYAS_SIDECAR).exists() else {}
+    config = read_export_json(cfg_path, CONFIG)
+    sidecar = read_sidecar(d)
     fmt = detect_format(config, cfg_path)
     dcfg = _drafter_config_from(config, fmt, sidecar, cfg_path)
-    tensors = load_file(str(w_path))
+    tensors = read_export_weights(w_path)
     if fmt == "speculators":
         tensors = {_from_speculators_name(k): v for k, v in tensors.items()}
     has_embed = EMBED in tensors
@@ -944,7 +975,10 @@ def load_exported(
         for k, v in tensors.items():
             state[k].copy_(v)
     if not has_embed:
-        drafter.set_embedding(_embedding_weight(embedding).detach().to("cpu", torch.float32))
+        try:
+            drafter.set_embedding(_embedding_weight(embedding).detach().to("cpu", torch.float32))
+        except ValueError as e:  # the target's embedding table: another vocabulary or hidden size
+            raise ExportError(f"{d}: {e}: the export was made for another target") from None
     target_dtype = dtype or torch.float32
     for p in drafter.parameters():
         p.data = p.data.to(target_dtype)
@@ -966,9 +1000,9 @@ def _embedding_weight(embedding) -> torch.Tensor:
 def describe_export(path: str | os.PathLike) -> dict[str, Any]:
     """Format, aux ids (both conventions), sizes and rope of an export, for logs and reports."""
     d = Path(path)
-    config = json.loads((d / "config.json").read_text())
+    config = read_export_json(d / CONFIG, CONFIG)
     fmt = detect_format(config, d / "config.json")
-    sidecar = json.loads((d / EYAS_SIDECAR).read_text()) if (d / EYAS_SIDECAR).exists() else {}
+    sidecar = read_sidecar(d)
     dcfg = _drafter_config_from(config, fmt, sidecar, d / "config.json")
     size = (d / WEIGHTS).stat().st_size
     return {
@@ -994,7 +1028,7 @@ def round_trip_error(
     from ``export_dir``, over a TTT unroll on random inputs. 0 up to fp32 reduction order means the export holds
     exactly this drafter."""
     d = Path(export_dir)
-    config = json.loads((d / "config.json").read_text())
+    config = read_export_json(d / CONFIG, CONFIG)
     dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "float32"))
     loaded = load_exported(
         d, embedding=embedding if embedding is not None else drafter.embed_tokens.weight, dtype=torch.float32
@@ -1049,7 +1083,10 @@ def run(job: ExportJob, target=None) -> dict[str, Any]:
     target = target if target is not None else load_target(chosen.config)
     check_target(chosen.record, target.info, e.checkpoint)
     emb = target.model.get_input_embeddings().weight
-    drafter = load_trained_drafter(e.checkpoint, emb)
+    try:
+        drafter = load_trained_drafter(e.checkpoint, emb)
+    except ValueError as err:
+        raise ExportError(f"export.checkpoint={e.checkpoint} (target {target.info.name}): {err}") from None
     record = TargetRecord.of(chosen.config, target.info) if chosen.known else None
     export(drafter, target, e.out_dir, config=e.settings(), record=record)
     err = round_trip_error(drafter, e.out_dir, emb)

@@ -31,6 +31,7 @@ from eyas.serving.models.drafter import (
     load_trained_drafter,
 )
 from eyas.serving.models.target import Target, aux_layer_problem
+from eyas.serving.target_record import EXPORT_SIDECAR
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 FORMATS = ("sglang", "speculators", "trainer")
@@ -38,6 +39,52 @@ FORMATS = ("sglang", "speculators", "trainer")
 
 class DrafterLoadError(ValueError):
     """A directory that holds no drafter eyas can load; the message says what it needs."""
+
+
+class DamagedExportError(DrafterLoadError):
+    """A file of an export that cannot be read (truncated, overwritten, half copied); the message names it."""
+
+
+REEXPORT = (
+    "export it again from its trainer checkpoint (python -m eyas.serving.export export.checkpoint=<run>/best "
+    "export.out_dir=<this directory> export.overwrite=true)"
+)
+
+
+def read_export_json(path: Path, what: str) -> dict[str, Any]:
+    """``config.json`` or ``eyas_export.json`` of an export as a dict; :class:`DamagedExportError` naming the file
+    and the way out when it is not a JSON object (truncated, overwritten, half copied)."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = e
+    if not isinstance(data, dict):
+        why = f"not valid JSON ({data})" if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
+        fix = (
+            f"{REEXPORT}, or delete it (no server reads it; eyas then needs target= for this export)"
+            if what == EXPORT_SIDECAR
+            else REEXPORT
+        )
+        raise DamagedExportError(f"{path}: the export's {what} is damaged ({why}); {fix}")
+    return data
+
+
+def read_sidecar(d: Path) -> dict[str, Any]:
+    """An export's ``eyas_export.json`` ({} when it has none: servers never need it)."""
+    return read_export_json(d / EXPORT_SIDECAR, EXPORT_SIDECAR) if (d / EXPORT_SIDECAR).exists() else {}
+
+
+def read_export_weights(w_path: Path) -> dict[str, torch.Tensor]:
+    """An export's tensors; :class:`DamagedExportError` naming the file when it cannot be read."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(w_path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type, or OSError
+        raise DamagedExportError(
+            f"{w_path}: the export's weights cannot be read ({type(e).__name__}: {e}): the file is damaged "
+            f"(truncated or half copied); {REEXPORT}"
+        ) from None
 
 
 def export_format(config: dict[str, Any]) -> str | None:
@@ -83,8 +130,16 @@ def resolve_drafter_dir(path: str | Path) -> tuple[Path, str]:
     checkpoint."""
     path = Path(path)
     if not path.is_dir():
+        aside = path.with_name(f".{path.name}.old")  # serving.export.aside_dir: a replace cut short
+        if aside.is_dir():
+            raise DrafterLoadError(
+                f"drafter {str(path)!r} is missing: an export replacing it was interrupted, and the previous export "
+                f"is at {aside}; export again to that directory (it restores or replaces it) or mv {aside} {path}"
+            )
         raise DrafterLoadError(f"drafter {str(path)!r} is not a directory")
     fmt = drafter_format(path)
+    if fmt is None and (path / "config.json").is_file():  # a damaged export is named, not "no drafter here"
+        read_export_json(path / "config.json", "config.json")
     if fmt is None:
         best = path / "best"
         found = best if drafter_format(best) == "trainer" else find_drafter(path / "checkpoints")
@@ -139,6 +194,26 @@ def with_drafter_aux_layers(target_cfg, drafter: str | Path | None, runs_dir: st
     return target_cfg if aux is None else replace(target_cfg, aux_layers=aux)
 
 
+def load_target_for_drafter(target_cfg, drafter: str | Path | None, runs_dir: str | Path = "runs") -> Target:
+    """:func:`serving.models.target.load_target` of ``with_drafter_aux_layers(target_cfg, drafter, runs_dir)``; aux layer
+    ids the drafter supplied that this target does not have are refused as the drafter's, naming it."""
+    from eyas.serving.models.target import load_target
+
+    cfg = with_drafter_aux_layers(target_cfg, drafter, runs_dir)
+    if cfg.aux_layers == target_cfg.aux_layers:
+        return load_target(cfg)
+    try:
+        return load_target(cfg)
+    except ValueError as e:
+        if "aux layer ids" not in str(e):
+            raise
+        raise DrafterLoadError(
+            f"the drafter at {spec_path(str(drafter), runs_dir)} reads target layers {list(cfg.aux_layers)} (from "
+            f"its config), which target {target_cfg.path} does not have: {e}. "
+            "Evaluate it with the target it was trained for (target=...)"
+        ) from None
+
+
 @dataclass
 class LoadedDrafter:
     drafter: Eagle3Drafter
@@ -166,16 +241,20 @@ def load_drafter(
     if spec == "random":
         return LoadedDrafter(random_drafter(target, draft_vocab_size, seed), "random", False)
     path = spec_path(spec, runs_dir)
-    if not path.is_dir():
+    if not path.is_dir() and not path.with_name(f".{path.name}.old").is_dir():
         raise DrafterLoadError(f"drafter {spec!r} is neither random, auto nor a directory")
-    path, fmt = resolve_drafter_dir(path)
-    if fmt == "trainer":
-        drafter = load_trained_drafter(path, target.model.get_input_embeddings().weight)
-        drafter = drafter.to(device=target.device, dtype=target.dtype)
-    else:
-        from eyas.serving.export import load_exported
+    path, fmt = resolve_drafter_dir(path)  # names an export whose replace was interrupted
+    try:
+        if fmt == "trainer":
+            drafter = load_trained_drafter(path, target.model.get_input_embeddings().weight)
+            drafter = drafter.to(device=target.device, dtype=target.dtype)
+        else:
+            from eyas.serving.export import load_exported
 
-        drafter = load_exported(path, embedding=target, dtype=target.dtype, device=target.device)
+            drafter = load_exported(path, embedding=target, dtype=target.dtype, device=target.device)
+    except ValueError as e:  # damaged files and foreign embeddings name the file; say which target too
+        where = "" if str(path) in str(e) else f"drafter {path}: "
+        raise DrafterLoadError(f"{where}{e} (target {target.info.name})") from None
     problem = aux_layer_problem(drafter.config.aux_layer_ids, len(target.layers))
     if problem:
         raise DrafterLoadError(f"drafter {path} does not fit target {target.info.name}: {problem}")

@@ -9,8 +9,8 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step_00000040/``::
     drafter_config.json     DrafterConfig.to_dict()
     optimizer.pt            AdamW state (plain data parallel; rank 0)    | ds/  DeepSpeed engine checkpoint
     scheduler.pt            LR scheduler state                           |      (partitioned optimizer state)
-    rng_rank{r}.pt          python / numpy / torch (/ cuda) RNG states of rank r
-    data_rank{r}.pt         the data source's state_dict() on rank r (its position)
+    rng_rank{r}.pt          python / numpy / torch (/ cuda) RNG states of rank r (tensors and numbers only)
+    data_rank{r}.pt         the data source's state_dict() on rank r (its position: numbers and strings)
     target.json             the target the run trains against (a copy of <output_dir>/target.json, which the
                             setup writes: serving/target_record.py); ``best/`` carries it too, so a checkpoint
                             names its target wherever it is copied (export and eval read it)
@@ -21,6 +21,9 @@ Design decisions:
   step swaps the two directories, so ``step_X`` never disappears). A run killed, or a machine losing power, at
   any moment leaves whole checkpoints plus at most one ignored temp dir. ``best/`` is replaced the same way.
   Multi-node runs need ``output_dir`` on a filesystem every node sees.
+- Nothing read on resume can run code: every ``.pt`` file is loaded with ``torch.load(weights_only=True)``, which
+  rebuilds tensors, numbers, strings and containers only (a pickled object is refused, naming the file). So the
+  RNG state is stored as tensors and numbers (numpy's key as an int64 tensor), never as pickled numpy objects.
 - Only trainable weights are saved; the frozen embedding is the target's and comes back from the target.
 - Resume is refused, with the differing fields named, when the checkpoint's identity (trajectory-relevant
   config, drafter sizes, target, world size) differs from the run's.
@@ -32,6 +35,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -85,6 +89,15 @@ def _read(path: Path, name: str, reader):
     except FileNotFoundError as e:
         raise DamagedCheckpointError(f"checkpoint {path} has no {name}. {_way_out(path)}") from e
     except Exception as e:  # noqa: BLE001 - torch / safetensors raise many types for a damaged file
+        # weights_only names the object it refused; its text would suggest weights_only=False, so it is not shown
+        if isinstance(e, pickle.UnpicklingError):
+            found = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(e))
+            what = f" ({found.group(1) or found.group(2)})" if found else ""
+            raise DamagedCheckpointError(
+                f"checkpoint {path}: {name} holds a pickled object{what} where eyas writes only tensors and "
+                "numbers; it was refused unread, since loading it could run code: do not trust this checkpoint. "
+                f"{_way_out(path)}"
+            ) from None
         raise DamagedCheckpointError(
             f"checkpoint {path}: {name} is damaged ({type(e).__name__}: {str(e)[:200]}). {_way_out(path)}"
         ) from e
@@ -155,9 +168,17 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 # -- RNG --------------------------------------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors and numbers (what ``torch.load(weights_only=True)`` rebuilds)."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (version, 625 ints, gauss_next): numbers only
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),  # uint32 values, kept exactly
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -166,8 +187,13 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((int(py[0]), tuple(int(x) for x in py[1]), py[2]))
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        keys = npy["keys"].numpy().astype(np.uint32)
+        npy = (npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    np.random.set_state(npy)  # a tuple: a checkpoint written before the RNG state was kept as tensors
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -309,7 +335,58 @@ def save_best(
 
 # -- load -------------------------------------------------------------------------------------------------------
 def _torch_load(p: Path) -> Any:
-    return torch.load(p, map_location="cpu", weights_only=False)
+    """A checkpoint ``.pt`` file as tensors, numbers, strings and containers; anything else (a pickled object,
+    which could run code) raises, and :func:`_read` names the file."""
+    return torch.load(p, map_location="cpu", weights_only=True)
+
+
+# The numpy RNG state of checkpoints written before it was stored as a tensor: an ndarray of uint32 keys. Only
+# these constructors are allowed beyond weights_only's own (they rebuild an array, nothing else).
+try:
+    from numpy._core.multiarray import _reconstruct as _np_reconstruct
+except ImportError:  # numpy < 2
+    from numpy.core.multiarray import _reconstruct as _np_reconstruct
+_OLD_RNG_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _np_reconstruct]
+
+
+def _load_rng(p: Path) -> Any:
+    with torch.serialization.safe_globals(_OLD_RNG_GLOBALS):
+        return _torch_load(p)
+
+
+# What DeepSpeed's own checkpoint files pickle besides tensors and containers (seen in a ZeRO-2 optimizer state);
+# DeepSpeed loads them with weights_only=False, so eyas scans each file's pickle for the objects it would build
+# (without running it) and lets through these and DeepSpeed's enums only.
+_DEEPSPEED_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    }
+)
+
+
+def _deepspeed_enum(name: str) -> bool:
+    import enum
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    if not module.startswith("deepspeed."):
+        return False
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(obj, type) and issubclass(obj, enum.Enum)
+
+
+def _scan_deepspeed_file(p: Path) -> None:
+    """Raise ``pickle.UnpicklingError`` naming the object when ``p`` would build anything but tensors, containers
+    and DeepSpeed's known state classes (:func:`_read` turns it into the refusal)."""
+    names = torch.serialization.get_unsafe_globals_in_checkpoint(p)
+    bad = [g for g in names if g not in _DEEPSPEED_GLOBALS and not _deepspeed_enum(g)]
+    if bad:
+        raise pickle.UnpicklingError(f"unsupported GLOBAL {bad[0]}")
 
 
 def check_identity(state: TrainerState, config_hash: str, identity: dict[str, Any], path: Path) -> None:
@@ -350,6 +427,8 @@ def load_checkpoint(
             raise CheckpointMismatchError(
                 f"checkpoint {path} holds no DeepSpeed state; resume without DeepSpeed"
             )
+        for f in sorted((path / "ds").rglob("*.pt")):  # DeepSpeed unpickles them with weights_only=False
+            _read(path, str(f.relative_to(path)), _scan_deepspeed_file)
         load_path, _ = _read(
             path,
             "ds",
@@ -374,7 +453,7 @@ def load_checkpoint(
         inner = getattr(optimizer, "optimizer", optimizer)
         inner.load_state_dict(_read(path, "optimizer.pt", _torch_load))
     scheduler.load_state_dict(_read(path, "scheduler.pt", _torch_load))
-    set_rng_state(_read(path, f"rng_rank{rank}.pt", _torch_load))
+    set_rng_state(_read(path, f"rng_rank{rank}.pt", _load_rng))
     data_state = _read(path, f"data_rank{rank}.pt", _torch_load)
     log.info("resumed from %s (step %d)", path, state.step)
     return LoadedCheckpoint(path=path, state=state, data_state=data_state)

@@ -10,7 +10,7 @@ from eyas.eval.diagnose.config import DiagnoseConfig, DiagnoseJob
 from eyas.eval.diagnose.context_prompts import ContextPrompts, build_prompts
 from eyas.eval.diagnose.measure import check_contexts, measure
 from eyas.eval.prompts import BUILTIN_PREDICTABLE, builtin_predictable, prompt_messages  # noqa: F401
-from eyas.serving.load import LoadedDrafter, load_drafter, with_drafter_aux_layers
+from eyas.serving.load import LoadedDrafter, load_drafter, load_target_for_drafter
 from eyas.serving.models.drafter import Eagle3Drafter
 from eyas.serving.models.target import Target
 from eyas.serving.proposers import Proposer
@@ -67,14 +67,13 @@ def run(job: DiagnoseJob, command: str = "") -> int:
     import torch
 
     from eyas.eval.diagnose.report import print_summary, write_report
-    from eyas.serving.models.target import load_target
 
     cfg = job.diagnose
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     # the drafter names the target layers it reads (serving.load.with_drafter_aux_layers)
     drafter = cfg.drafter_spec if cfg.uses_drafter else None
-    result = diagnose(load_target(with_drafter_aux_layers(job.target, drafter, cfg.runs_dir)), cfg)
+    result = diagnose(load_target_for_drafter(job.target, drafter, cfg.runs_dir), cfg)
     path = write_report(result, cfg.out_dir, command or None)
     print_summary(result, path)
     return 1 if result.flagged else 0

@@ -113,9 +113,9 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
     from eyas.eval.acceptance import PromptSetSpec
     from eyas.eval.prompts import load_prompt_ids
     from eyas.eval.stage import EvalStageConfig
-    from eyas.serving.load import load_drafter, with_drafter_aux_layers
+    from eyas.serving.load import load_drafter, load_target_for_drafter
     from eyas.serving.loop import generate
-    from eyas.serving.models.target import TargetConfig, load_target
+    from eyas.serving.models.target import TargetConfig
     from eyas.serving.proposers import Eagle3Proposer
     from eyas.train.losses import ChainCounts
     from eyas.train.metrics import simulated_acceptance
@@ -124,7 +124,7 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     k = args.chain_length
     t0 = time.perf_counter()
-    target = load_target(with_drafter_aux_layers(TargetConfig(), args.export_dir))
+    target = load_target_for_drafter(TargetConfig(), args.export_dir)
     spec = PromptSetSpec("held-out", args.source, args.n, "", args.max_new_tokens)
     ecfg = EvalStageConfig(prompt_sets=[asdict(spec)], chain_length=k, dtype=args.dtype, profile=None)
     target, numerics = ecfg.numerics(target)

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -106,7 +106,8 @@ def make_bundle(path: Path, samples: int, seq_len: int, loss_fraction: float) ->
     base = DrafterConfig.from_target(target.model.config, list(target.aux_layers), 1).to_dict()
     torch.save(
         {
-            "batches": batches,
+            # plain dicts of tensors: the child loads the bundle with weights_only=True (no pickled classes)
+            "batches": [{f.name: getattr(b, f.name) for f in fields(b)} for b in batches],
             "counts": count_loss_tokens(zip(seqs, masks), target.vocab_size),
             "drafter_config": base,
             "embedding": target.model.get_input_embeddings().weight.detach().float().clone(),
@@ -151,6 +152,7 @@ def run_child(args: SimpleNamespace) -> dict[str, Any]:
     """One configuration: build the drafter from the bundle, train, report tokens/s and memory."""
     import logging
 
+    from eyas.data.types import Batch
     from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
     from eyas.serving.models.target import TargetHead
     from eyas.train.config import TrainConfig
@@ -160,7 +162,8 @@ def run_child(args: SimpleNamespace) -> dict[str, Any]:
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    b = torch.load(args.child, weights_only=False)
+    b = torch.load(args.child, weights_only=True)
+    b["batches"] = [Batch(**d) for d in b["batches"]]
     vocab = build_draft_vocab(b["counts"], args.vocab)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(DrafterConfig(**{**b["drafter_config"], "draft_vocab_size": args.vocab}))

@@ -578,7 +578,7 @@ def is_drafter_checkpoint(directory) -> bool:
 
 def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
     """A drafter from a trainer checkpoint directory (fp32, CPU); ``embedding``: the target's input embedding
-    table (the checkpoint does not hold it)."""
+    table (the checkpoint does not hold it). A damaged or foreign file raises ``ValueError`` naming it."""
     import json
     from pathlib import Path
 
@@ -589,17 +589,30 @@ def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Ea
         raise FileNotFoundError(
             f"{directory} is not a drafter checkpoint (needs {WEIGHTS_FILE} and {CONFIG_FILE})"
         )
+    fix = "use another checkpoint of the run (an earlier step_*, or best/), or train again"
     try:
         config = DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{directory / CONFIG_FILE}: damaged (not valid JSON: {e}); {fix}") from None
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{directory / CONFIG_FILE}: {e}") from e
+        raise ValueError(f"{directory / CONFIG_FILE}: {e}; {fix}") from None
+    try:
+        weights = load_file(str(directory / WEIGHTS_FILE))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error type, or OSError
+        raise ValueError(
+            f"{directory / WEIGHTS_FILE}: cannot be read ({type(e).__name__}: {e}): the file is damaged (truncated "
+            f"or half copied); {fix}"
+        ) from None
     drafter = Eagle3Drafter(config)
-    missing, unexpected = drafter.load_state_dict(load_file(str(directory / WEIGHTS_FILE)), strict=False)
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:
         raise ValueError(
             f"{directory}: weights do not fit the drafter (missing {missing}, unexpected {unexpected})"
         )
     if embedding is not None:
-        drafter.set_embedding(embedding.detach().float().cpu())
+        try:
+            drafter.set_embedding(embedding.detach().float().cpu())
+        except ValueError as e:
+            raise ValueError(f"{directory}: {e}: the checkpoint was trained for another target") from None
     return drafter.eval()

@@ -143,14 +143,19 @@ def _samples(vocab: int) -> list[Sample]:
     return out
 
 
-def _engine_cfg(url: str, **kw) -> ExtractConfig:
+def _engine_cfg(url: str, states_dir: Path, **kw) -> ExtractConfig:
     return ExtractConfig(
-        backend="vllm", server_url=url, server=EngineServerConfig(dtype="float32"), progress=False, **kw
+        backend="vllm",
+        server_url=url,
+        server_states_dir=str(states_dir),
+        server=EngineServerConfig(dtype="float32"),
+        progress=False,
+        **kw,
     )
 
 
-def _attach(target, url: str, concurrency: int = 3):
-    target.client = HiddenStatesClient(url, concurrency=concurrency, timeout_s=30)
+def _attach(target, url: str, states_dir: Path, concurrency: int = 3):
+    target.client = HiddenStatesClient(url, states_dir, concurrency=concurrency, timeout_s=30)
     return target
 
 
@@ -167,9 +172,13 @@ def test_engine_store_equals_the_transformers_store(tmp_path, tiny_target_dir, o
     with StubEngine(tiny_target_dir, states) as stub:
         vocab = stub.target.info.vocab_size
         samples = _samples(min(vocab, 256))
-        eng = _attach(load_engine_target(TargetConfig(path=str(tiny_target_dir)), "float32", True), stub.url)
+        eng = _attach(
+            load_engine_target(TargetConfig(path=str(tiny_target_dir)), "float32", True), stub.url, states
+        )
         assert eng.info == stub.target.info
-        res = extract(samples, eng, tmp_path / "e", _engine_cfg(stub.url, store=options, shard_size=5))
+        res = extract(
+            samples, eng, tmp_path / "e", _engine_cfg(stub.url, states, store=options, shard_size=5)
+        )
     ref_dir = tmp_path / "t"
     extract(samples, stub.target, ref_dir, ExtractConfig(store=options, shard_size=5, progress=False))
     assert res.num_samples == 12 and res.shards_written == 3
@@ -212,6 +221,7 @@ def test_killed_engine_extraction_resumes_to_an_identical_store(tmp_path, tiny_t
                 f"target.path={tiny_target_dir}",
                 "extract.backend=vllm",
                 f"extract.server_url={stub.url}",
+                f"extract.server_states_dir={tmp_path / 'hs'}",
             ]
             args += ["extract.server.dtype=float32", f"extract.samples={src}", f"extract.out_dir={out}"]
             args += ["extract.shard_size=5", "extract.progress=false", f"hydra.run.dir={tmp_path / 'hydra'}"]
@@ -255,10 +265,14 @@ def test_killed_engine_extraction_resumes_to_an_identical_store(tmp_path, tiny_t
 def test_files_of_other_tokens_or_layers_are_refused(tmp_path, tiny_target_dir, corrupt):
     with StubEngine(tiny_target_dir, tmp_path / "hs", corrupt=corrupt) as stub:
         samples = [s for s in _samples(64) if s.input_ids][:4]
-        eng = _attach(load_engine_target(TargetConfig(path=str(tiny_target_dir)), "float32", False), stub.url)
+        eng = _attach(
+            load_engine_target(TargetConfig(path=str(tiny_target_dir)), "float32", False),
+            stub.url,
+            stub.states_dir,
+        )
         match = "other tokens than the sample" if corrupt == "ids" else r"hidden_states have shape .* expects"
         with pytest.raises(EngineFeatureError, match=match):
-            extract(samples, eng, tmp_path / "s", _engine_cfg(stub.url, shard_size=2))
+            extract(samples, eng, tmp_path / "s", _engine_cfg(stub.url, stub.states_dir, shard_size=2))
     m = Manifest.load(tmp_path / "s")
     assert m.shards == [] and not m.complete  # nothing packed from a bad file
 
@@ -308,7 +322,7 @@ def test_engine_settings_are_validated_and_reach_hydra():
     with pytest.raises(ValueError, match="extract.backend must be"):
         ExtractConfig(backend="trt")
     with pytest.raises(ValueError, match="server_url needs extract.backend=vllm"):
-        ExtractConfig(server_url="http://x")
+        ExtractConfig(server_url="http://x", server_states_dir="/s")
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
             "config",
