@@ -1,4 +1,4 @@
-"""Export an EAGLE-3 drafter in the formats SGLang and vLLM load unchanged, and load such an export back.
+"""Export an EAGLE-3 drafter in the formats SGLang and vLLM load unchanged (reading one back: :mod:`eyas.serving.load`).
 
 Design decisions (what each consumer does was read from its own model-loading code, not from its documentation):
 - Two formats. ``sglang``: ``config.json`` with ``architectures: ["LlamaForCausalLMEagle3"]`` and tensors named
@@ -48,7 +48,7 @@ Design decisions (what each consumer does was read from its own model-loading co
   holding anything else or a plain file. Files are written 0644 and the directory 0755, whatever the umask: the
   server reading them often runs as another user.
 - ``eyas_export.json`` beside the checkpoint records what produced it (target name, tokenizer hash, SGLang aux
-  ids, embed scale); no server reads it, and :func:`load_exported` works without it.
+  ids, embed scale); no server reads it, and :func:`eyas.serving.load.load_exported` works without it.
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from eyas.command import Command, command_line_sets
 from eyas.common import (
@@ -79,18 +78,29 @@ from eyas.common import (
     recover_dir,
     replace_dir,
 )
+from eyas.serving.export_format import (
+    CONFIG,
+    EAGLE31_KEYS,
+    EMBED,
+    EXPORT_FILES,
+    EYAS_SIDECAR,
+    FORMATS,
+    SPECULATORS_ARCH,
+    WEIGHTS,
+    ExportError,
+    check_tensors,
+    clean_rope,
+    to_speculators_name,
+)
 from eyas.serving.load import (
     SGLANG_ARCH,
-    DrafterLoadError,
-    export_format,
+    describe_export,
+    load_exported,
     read_export_json,
-    read_export_weights,
-    read_sidecar,
 )
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, rope_parameters_of
 from eyas.serving.models.target import TargetConfig, aux_layer_problem
 from eyas.serving.target_record import (
-    EXPORT_SIDECAR,
     SIDECAR_KEY,
     TargetRecord,
     check_target,
@@ -99,20 +109,8 @@ from eyas.serving.target_record import (
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("sglang", "speculators")
-SPECULATORS_ARCH = "Eagle3Speculator"
-EYAS_SIDECAR = EXPORT_SIDECAR
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-EXPORT_FILES = frozenset({CONFIG, WEIGHTS, EYAS_SIDECAR})
-"""What an export directory holds: ``overwrite`` replaces a directory holding these (sidecar included) only."""
 FILE_MODE, DIR_MODE = 0o644, 0o755  # servers often run as another user than the one exporting
-EMBED = "embed_tokens.weight"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class ExportError(ValueError):
-    """A drafter, target description or directory that would give a checkpoint servers mis-load."""
 
 
 @dataclass
@@ -278,43 +276,6 @@ def target_spec(target) -> TargetSpec:
 
 
 # -- expected tensors -------------------------------------------------------------------------------------------
-def expected_tensors(
-    cfg: DrafterConfig, include_embedding: bool
-) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """Names (eyas/SGLang naming) and shapes of the tensors an export holds; dtype None = any floating type."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {
-        "fc.weight": ((h, cfg.fc_in_features), None),
-        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), None),
-        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), None),
-        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), None),
-        "midlayer.self_attn.o_proj.weight": ((h, q), None),
-        "midlayer.mlp.gate_proj.weight": ((cfg.intermediate_size, h), None),
-        "midlayer.mlp.up_proj.weight": ((cfg.intermediate_size, h), None),
-        "midlayer.mlp.down_proj.weight": ((h, cfg.intermediate_size), None),
-        "midlayer.input_layernorm.weight": ((h,), None),
-        "midlayer.hidden_norm.weight": ((h,), None),
-        "midlayer.post_attention_layernorm.weight": ((h,), None),
-        "norm.weight": ((h,), None),
-        "lm_head.weight": ((cfg.draft_vocab_size, h), None),
-        "d2t": ((cfg.draft_vocab_size,), torch.int64),
-        "t2d": ((cfg.vocab_size,), torch.bool),
-    }
-    if cfg.parallel_drafting:
-        out["mask_hidden"] = ((cfg.fc_in_features,), None)
-    if cfg.norm_before_fc:
-        out["input_norm.weight"] = ((cfg.fc_in_features,), None)
-    if cfg.fc_norm:
-        for i in range(len(cfg.aux_layer_ids)):
-            out[f"fc_norm.{i}.weight"] = ((int(cfg.target_hidden_size),), None)
-    if include_embedding:
-        out[EMBED] = ((cfg.vocab_size, h), None)
-    return out
-
-
-EAGLE31_KEYS = ("norm_before_fc", "fc_norm", "norm_output")
-"""Config keys of the EAGLE-3.1 options, as vLLM reads them (``DrafterConfig`` fields of the same names)."""
 
 
 def _eagle31_keys(c: DrafterConfig) -> dict[str, bool]:
@@ -329,71 +290,11 @@ def _parallel_keys(c: DrafterConfig) -> dict[str, Any]:
     return {"parallel_drafting": True, "mask_token_id": int(c.mask_token_id)}
 
 
-def check_tensors(
-    tensors: dict[str, torch.Tensor], cfg: DrafterConfig, include_embedding: bool, where: str = "drafter"
-) -> list[str]:
-    """Problems (missing/extra keys, shapes, dtypes, non-finite values, vocab map) of a tensor set; [] if none."""
-    problems: list[str] = []
-    expected = expected_tensors(cfg, include_embedding)
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing:
-        problems.append(f"{where}: missing tensors {missing}")
-    if extra:
-        problems.append(f"{where}: unexpected tensors {extra}")
-    for name, (shape, dtype) in expected.items():
-        t = tensors.get(name)
-        if t is None:
-            continue
-        if tuple(t.shape) != shape:
-            problems.append(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {shape}")
-        if dtype is not None and t.dtype != dtype:
-            problems.append(f"{where}: {name} is {t.dtype}, must be {dtype}")
-        if dtype is None and not t.is_floating_point():
-            problems.append(f"{where}: {name} is {t.dtype}, must be floating point")
-        elif dtype is None and not bool(torch.isfinite(t).all()):
-            problems.append(f"{where}: {name} holds NaN or Inf values")
-    return problems + _check_vocab_map(tensors.get("d2t"), tensors.get("t2d"), cfg, where)
-
-
-def _check_vocab_map(d2t, t2d, cfg: DrafterConfig, where: str) -> list[str]:
-    if d2t is None or t2d is None or d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
-        return []
-    if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
-        return []
-    ids = d2t + torch.arange(d2t.numel())  # target id of each draft id (SGLang's hot_token_id)
-    problems = []
-    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
-        bad = int(((ids < 0) | (ids >= cfg.vocab_size)).sum())
-        problems.append(
-            f"{where}: d2t maps {bad} draft ids outside the target vocabulary [0, {cfg.vocab_size})"
-        )
-        return problems
-    if ids.unique().numel() != ids.numel():
-        problems.append(
-            f"{where}: d2t maps {ids.numel() - ids.unique().numel()} draft ids onto target ids "
-            "already taken (target_id = draft_id + d2t[draft_id] must be distinct)"
-        )
-    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[ids].all()):
-        problems.append(
-            f"{where}: t2d (marks {int(t2d.sum())} target ids) disagrees with d2t + arange "
-            f"({cfg.draft_vocab_size} draft ids)"
-        )
-    return problems
-
-
-def _clean_rope(rope: dict[str, Any]) -> dict[str, Any]:
-    """transformers-v5 style: ``rope_type`` (never the legacy ``type``), no None values."""
-    out = {k: v for k, v in rope.items() if v is not None and k != "type"}
-    out.setdefault("rope_type", rope.get("type", "default"))
-    return out
-
-
 def _norm_rope(rope: dict[str, Any]) -> dict[str, Any]:
     """For comparisons: numbers as floats (4096 == 4096.0)."""
     return {
         k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
-        for k, v in _clean_rope(rope).items()
+        for k, v in clean_rope(rope).items()
     }
 
 
@@ -448,7 +349,7 @@ def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportCon
 
 # -- config.json ------------------------------------------------------------------------------------------------
 def _rope_keys(c: DrafterConfig) -> dict[str, Any]:
-    rope = _clean_rope(c.rope_parameters)
+    rope = clean_rope(c.rope_parameters)
     theta = float(rope.get("rope_theta", 10000.0))
     scaling = None
     if rope["rope_type"] != "default":
@@ -588,12 +489,6 @@ def _verifier_name(spec: TargetSpec, cfg: ExportConfig) -> str | None:
 
 
 # -- export -----------------------------------------------------------------------------------------------------
-def _to_speculators_name(name: str) -> str:
-    return "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
-
-
-def _from_speculators_name(name: str) -> str:
-    return "midlayer." + name[len("layers.0.") :] if name.startswith("layers.0.") else name
 
 
 def export(
@@ -651,7 +546,7 @@ def export(
     dtype = _DTYPES[cfg.dtype]
     written = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
     if cfg.fmt == "speculators":
-        written = {_to_speculators_name(k): v for k, v in written.items()}
+        written = {to_speculators_name(k): v for k, v in written.items()}
         cfg_json = speculators_config(drafter, spec, cfg)
     else:
         cfg_json = sglang_config(drafter, spec, cfg)
@@ -848,175 +743,6 @@ def _write_atomically(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-# -- load -------------------------------------------------------------------------------------------------------
-def detect_format(config: dict[str, Any], path: Path) -> str:
-    """``sglang`` or ``speculators`` (:func:`serving.drafters.export_format`), else an error naming ``path``."""
-    try:
-        fmt = export_format(config)
-    except DrafterLoadError as e:
-        raise ExportError(f"{path}: {e}") from e
-    if fmt is None:
-        raise ExportError(f"{path}: neither a speculators eagle3 config nor architectures [{SGLANG_ARCH!r}]")
-    return fmt
-
-
-def _drafter_config_from(
-    config: dict[str, Any], fmt: str, sidecar: dict[str, Any], path: Path
-) -> DrafterConfig:
-    if fmt == "speculators":
-        if config.get("norm_before_residual") is not False:  # vLLM reads a missing key as True
-            raise ExportError(
-                f"{path}: norm_before_residual is {config.get('norm_before_residual')!r}; the eyas "
-                "drafter keeps the un-normed hidden as residual (needs an explicit false)"
-            )
-        layer = dict(config["transformer_layer_config"])
-        aux = [int(i) - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
-        draft_vocab = config["draft_vocab_size"]
-        target_hidden = config.get("target_hidden_size")
-    else:
-        layer = config
-        aux = [int(i) for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", [])]
-        draft_vocab = config.get("draft_vocab_size")
-        target_hidden = config.get("target_hidden_size")
-        if draft_vocab is None:
-            raise ExportError(f"{path}: no draft_vocab_size (SGLang would then borrow the target's lm_head)")
-        top = config.get("eagle_aux_hidden_state_layer_ids")
-        if top and aux and [int(i) for i in top] != [i + 1 for i in aux]:
-            log.warning(
-                "%s: top-level eagle_aux_hidden_state_layer_ids %s is not eagle_config's %s + 1; vLLM reads the "
-                "top-level key (input of layer i) and would capture different layers than SGLang",
-                path,
-                top,
-                aux,
-            )
-    if not aux:
-        raise ExportError(f"{path}: the config names no aux layer ids")
-    if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise ExportError(
-            f"{path}: num_hidden_layers={layer['num_hidden_layers']}; eyas drafters have 1 layer"
-        )
-    rope = layer.get("rope_parameters")
-    if not isinstance(rope, dict) or not rope:
-        rope = dict(layer.get("rope_scaling") or {})
-        rope["rope_theta"] = float(layer.get("rope_theta", 10000.0))
-    rope = _clean_rope(rope)
-    heads = int(layer["num_attention_heads"])
-    # as vLLM reads them: top-level keys (eagle_config's norm_before_fc first, NVIDIA's checkpoints put it there)
-    options = {k: bool(config.get(k, False)) for k in EAGLE31_KEYS}
-    options["norm_before_fc"] = bool(
-        (config.get("eagle_config") or {}).get("norm_before_fc", options["norm_before_fc"])
-    )
-    if config.get("parallel_drafting") or config.get("speculators_model_type") == "peagle":
-        options.update(parallel_drafting=True, mask_token_id=config.get("mask_token_id"))
-    try:
-        return DrafterConfig(
-            hidden_size=int(layer["hidden_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-            head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // heads),
-            intermediate_size=int(layer["intermediate_size"]),
-            vocab_size=int(layer["vocab_size"]),
-            draft_vocab_size=int(draft_vocab),
-            aux_layer_ids=aux,
-            max_position_embeddings=int(layer["max_position_embeddings"]),
-            rope_parameters=rope,
-            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            hidden_act=str(layer.get("hidden_act", "silu")),
-            attention_bias=bool(layer.get("attention_bias", False)),
-            embed_scale=float(sidecar.get("embed_scale", 1.0)),
-            target_hidden_size=None if target_hidden is None else int(target_hidden),
-            **options,
-        )
-    except KeyError as e:
-        raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e
-    except ValueError as e:
-        raise ExportError(f"{path}: {e}") from e
-
-
-def load_exported(
-    path: str | os.PathLike,
-    embedding=None,
-    *,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
-) -> Eagle3Drafter:
-    """Load an exported drafter (either format) into :class:`Eagle3Drafter`.
-
-    ``embedding``: the target's input embedding (a tensor, an ``nn.Embedding`` or a loaded Target); required
-    when the export has none. ``dtype``: of the parameters (default float32; the rope table stays fp32).
-    """
-    d = Path(path)
-    cfg_path, w_path = d / "config.json", d / WEIGHTS
-    for p in (cfg_path, w_path):
-        if not p.exists():
-            raise FileNotFoundError(f"{p} does not exist; {d} is not an exported drafter directory")
-    config = read_export_json(cfg_path, CONFIG)
-    sidecar = read_sidecar(d)
-    fmt = detect_format(config, cfg_path)
-    dcfg = _drafter_config_from(config, fmt, sidecar, cfg_path)
-    tensors = read_export_weights(w_path)
-    if fmt == "speculators":
-        tensors = {_from_speculators_name(k): v for k, v in tensors.items()}
-    has_embed = EMBED in tensors
-    problems = check_tensors(tensors, dcfg, has_embed, where=str(w_path))
-    if problems:
-        raise ExportError(f"cannot load {d}:\n  - " + "\n  - ".join(problems))
-    if not has_embed and embedding is None:
-        raise ExportError(
-            f"{d} holds no embed_tokens.weight; pass embedding= the target's input embedding "
-            "(a Target, an nn.Embedding or its weight tensor)"
-        )
-
-    drafter = Eagle3Drafter(dcfg)
-    with torch.no_grad():
-        state = drafter.state_dict()
-        for k, v in tensors.items():
-            state[k].copy_(v)
-    if not has_embed:
-        try:
-            drafter.set_embedding(_embedding_weight(embedding).detach().to("cpu", torch.float32))
-        except ValueError as e:  # the target's embedding table: another vocabulary or hidden size
-            raise ExportError(f"{d}: {e}: the export was made for another target") from None
-    target_dtype = dtype or torch.float32
-    for p in drafter.parameters():
-        p.data = p.data.to(target_dtype)
-    return drafter.to(device)
-
-
-def _embedding_weight(embedding) -> torch.Tensor:
-    if isinstance(embedding, torch.Tensor):
-        return embedding
-    if isinstance(embedding, nn.Embedding):
-        return embedding.weight
-    if hasattr(embedding, "model") and hasattr(embedding.model, "get_input_embeddings"):
-        return embedding.model.get_input_embeddings().weight
-    raise ExportError(
-        f"embedding must be a tensor, an nn.Embedding or a Target, not {type(embedding).__name__}"
-    )
-
-
-def describe_export(path: str | os.PathLike) -> dict[str, Any]:
-    """Format, aux ids (both conventions), sizes and rope of an export, for logs and reports."""
-    d = Path(path)
-    config = read_export_json(d / CONFIG, CONFIG)
-    fmt = detect_format(config, d / "config.json")
-    sidecar = read_sidecar(d)
-    dcfg = _drafter_config_from(config, fmt, sidecar, d / "config.json")
-    size = (d / WEIGHTS).stat().st_size
-    return {
-        "format": fmt,
-        "aux_layers_sglang": dcfg.aux_layer_ids,
-        "aux_layers_vllm": [i + 1 for i in dcfg.aux_layer_ids],
-        "hidden_size": dcfg.hidden_size,
-        "draft_vocab_size": dcfg.draft_vocab_size,
-        "max_position_embeddings": dcfg.max_position_embeddings,
-        "rope": dcfg.rope_parameters,
-        "serve": sidecar.get("serve"),
-        "weights_mib": round(size / 2**20, 2),
-        "target": sidecar.get("target"),
-    }
 
 
 # -- round trip -------------------------------------------------------------------------------------------------

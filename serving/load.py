@@ -1,6 +1,8 @@
 """A drafter from a directory: which format a directory holds, and loading it onto a target.
 
 Design decisions:
+- Reading is this module, writing is :mod:`eyas.serving.export`; what both must agree on (file names, expected
+  tensors, their checks) is :mod:`eyas.serving.export_format`, below both.
 - One place decides what a directory is (:func:`drafter_format`): an export (``sglang``: ``config.json`` with
   ``architectures: ["LlamaForCausalLMEagle3"]``; ``speculators``: ``speculators_model_type: "eagle3"``), a
   trainer checkpoint (``trainer``: ``drafter_config.json`` + ``drafter.safetensors``), or a training run's
@@ -17,12 +19,25 @@ Design decisions:
 from __future__ import annotations
 
 import json
+import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from eyas.serving.export_format import (
+    CONFIG,
+    EAGLE31_KEYS,
+    EMBED,
+    WEIGHTS,
+    ExportError,
+    check_tensors,
+    clean_rope,
+    from_speculators_name,
+)
 from eyas.serving.models.drafter import (
     CONFIG_FILE,
     DrafterConfig,
@@ -32,6 +47,8 @@ from eyas.serving.models.drafter import (
 )
 from eyas.serving.models.target import Target, aux_layer_problem
 from eyas.serving.target_record import EXPORT_SIDECAR
+
+log = logging.getLogger(__name__)
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 FORMATS = ("sglang", "speculators", "trainer")
@@ -175,7 +192,6 @@ def drafter_aux_layers(path: str | Path) -> list[int] | None:
         return None
     if fmt == "trainer":
         return [int(i) for i in json.loads((d / CONFIG_FILE).read_text())["aux_layer_ids"]]
-    from eyas.serving.export import describe_export
 
     return [int(i) for i in describe_export(d)["aux_layers_sglang"]]
 
@@ -249,8 +265,6 @@ def load_drafter(
             drafter = load_trained_drafter(path, target.model.get_input_embeddings().weight)
             drafter = drafter.to(device=target.device, dtype=target.dtype)
         else:
-            from eyas.serving.export import load_exported
-
             drafter = load_exported(path, embedding=target, dtype=target.dtype, device=target.device)
     except ValueError as e:  # damaged files and foreign embeddings name the file; say which target too
         where = "" if str(path) in str(e) else f"drafter {path}: "
@@ -259,3 +273,172 @@ def load_drafter(
     if problem:
         raise DrafterLoadError(f"drafter {path} does not fit target {target.info.name}: {problem}")
     return LoadedDrafter(drafter.eval(), str(path), True)
+
+
+# -- an exported drafter -------------------------------------------------------------------------------------
+def detect_format(config: dict[str, Any], path: Path) -> str:
+    """``sglang`` or ``speculators`` (:func:`serving.drafters.export_format`), else an error naming ``path``."""
+    try:
+        fmt = export_format(config)
+    except DrafterLoadError as e:
+        raise ExportError(f"{path}: {e}") from e
+    if fmt is None:
+        raise ExportError(f"{path}: neither a speculators eagle3 config nor architectures [{SGLANG_ARCH!r}]")
+    return fmt
+
+
+def _drafter_config_from(
+    config: dict[str, Any], fmt: str, sidecar: dict[str, Any], path: Path
+) -> DrafterConfig:
+    if fmt == "speculators":
+        if config.get("norm_before_residual") is not False:  # vLLM reads a missing key as True
+            raise ExportError(
+                f"{path}: norm_before_residual is {config.get('norm_before_residual')!r}; the eyas "
+                "drafter keeps the un-normed hidden as residual (needs an explicit false)"
+            )
+        layer = dict(config["transformer_layer_config"])
+        aux = [int(i) - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+        draft_vocab = config["draft_vocab_size"]
+        target_hidden = config.get("target_hidden_size")
+    else:
+        layer = config
+        aux = [int(i) for i in (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", [])]
+        draft_vocab = config.get("draft_vocab_size")
+        target_hidden = config.get("target_hidden_size")
+        if draft_vocab is None:
+            raise ExportError(f"{path}: no draft_vocab_size (SGLang would then borrow the target's lm_head)")
+        top = config.get("eagle_aux_hidden_state_layer_ids")
+        if top and aux and [int(i) for i in top] != [i + 1 for i in aux]:
+            log.warning(
+                "%s: top-level eagle_aux_hidden_state_layer_ids %s is not eagle_config's %s + 1; vLLM reads the "
+                "top-level key (input of layer i) and would capture different layers than SGLang",
+                path,
+                top,
+                aux,
+            )
+    if not aux:
+        raise ExportError(f"{path}: the config names no aux layer ids")
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise ExportError(
+            f"{path}: num_hidden_layers={layer['num_hidden_layers']}; eyas drafters have 1 layer"
+        )
+    rope = layer.get("rope_parameters")
+    if not isinstance(rope, dict) or not rope:
+        rope = dict(layer.get("rope_scaling") or {})
+        rope["rope_theta"] = float(layer.get("rope_theta", 10000.0))
+    rope = clean_rope(rope)
+    heads = int(layer["num_attention_heads"])
+    # as vLLM reads them: top-level keys (eagle_config's norm_before_fc first, NVIDIA's checkpoints put it there)
+    options = {k: bool(config.get(k, False)) for k in EAGLE31_KEYS}
+    options["norm_before_fc"] = bool(
+        (config.get("eagle_config") or {}).get("norm_before_fc", options["norm_before_fc"])
+    )
+    if config.get("parallel_drafting") or config.get("speculators_model_type") == "peagle":
+        options.update(parallel_drafting=True, mask_token_id=config.get("mask_token_id"))
+    try:
+        return DrafterConfig(
+            hidden_size=int(layer["hidden_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // heads),
+            intermediate_size=int(layer["intermediate_size"]),
+            vocab_size=int(layer["vocab_size"]),
+            draft_vocab_size=int(draft_vocab),
+            aux_layer_ids=aux,
+            max_position_embeddings=int(layer["max_position_embeddings"]),
+            rope_parameters=rope,
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            hidden_act=str(layer.get("hidden_act", "silu")),
+            attention_bias=bool(layer.get("attention_bias", False)),
+            embed_scale=float(sidecar.get("embed_scale", 1.0)),
+            target_hidden_size=None if target_hidden is None else int(target_hidden),
+            **options,
+        )
+    except KeyError as e:
+        raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e
+    except ValueError as e:
+        raise ExportError(f"{path}: {e}") from e
+
+
+def load_exported(
+    path: str | os.PathLike,
+    embedding=None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> Eagle3Drafter:
+    """Load an exported drafter (either format) into :class:`Eagle3Drafter`.
+
+    ``embedding``: the target's input embedding (a tensor, an ``nn.Embedding`` or a loaded Target); required
+    when the export has none. ``dtype``: of the parameters (default float32; the rope table stays fp32).
+    """
+    d = Path(path)
+    cfg_path, w_path = d / "config.json", d / WEIGHTS
+    for p in (cfg_path, w_path):
+        if not p.exists():
+            raise FileNotFoundError(f"{p} does not exist; {d} is not an exported drafter directory")
+    config = read_export_json(cfg_path, CONFIG)
+    sidecar = read_sidecar(d)
+    fmt = detect_format(config, cfg_path)
+    dcfg = _drafter_config_from(config, fmt, sidecar, cfg_path)
+    tensors = read_export_weights(w_path)
+    if fmt == "speculators":
+        tensors = {from_speculators_name(k): v for k, v in tensors.items()}
+    has_embed = EMBED in tensors
+    problems = check_tensors(tensors, dcfg, has_embed, where=str(w_path))
+    if problems:
+        raise ExportError(f"cannot load {d}:\n  - " + "\n  - ".join(problems))
+    if not has_embed and embedding is None:
+        raise ExportError(
+            f"{d} holds no embed_tokens.weight; pass embedding= the target's input embedding "
+            "(a Target, an nn.Embedding or its weight tensor)"
+        )
+
+    drafter = Eagle3Drafter(dcfg)
+    with torch.no_grad():
+        state = drafter.state_dict()
+        for k, v in tensors.items():
+            state[k].copy_(v)
+    if not has_embed:
+        try:
+            drafter.set_embedding(_embedding_weight(embedding).detach().to("cpu", torch.float32))
+        except ValueError as e:  # the target's embedding table: another vocabulary or hidden size
+            raise ExportError(f"{d}: {e}: the export was made for another target") from None
+    target_dtype = dtype or torch.float32
+    for p in drafter.parameters():
+        p.data = p.data.to(target_dtype)
+    return drafter.to(device)
+
+
+def _embedding_weight(embedding) -> torch.Tensor:
+    if isinstance(embedding, torch.Tensor):
+        return embedding
+    if isinstance(embedding, nn.Embedding):
+        return embedding.weight
+    if hasattr(embedding, "model") and hasattr(embedding.model, "get_input_embeddings"):
+        return embedding.model.get_input_embeddings().weight
+    raise ExportError(
+        f"embedding must be a tensor, an nn.Embedding or a Target, not {type(embedding).__name__}"
+    )
+
+
+def describe_export(path: str | os.PathLike) -> dict[str, Any]:
+    """Format, aux ids (both conventions), sizes and rope of an export, for logs and reports."""
+    d = Path(path)
+    config = read_export_json(d / CONFIG, CONFIG)
+    fmt = detect_format(config, d / "config.json")
+    sidecar = read_sidecar(d)
+    dcfg = _drafter_config_from(config, fmt, sidecar, d / "config.json")
+    size = (d / WEIGHTS).stat().st_size
+    return {
+        "format": fmt,
+        "aux_layers_sglang": dcfg.aux_layer_ids,
+        "aux_layers_vllm": [i + 1 for i in dcfg.aux_layer_ids],
+        "hidden_size": dcfg.hidden_size,
+        "draft_vocab_size": dcfg.draft_vocab_size,
+        "max_position_embeddings": dcfg.max_position_embeddings,
+        "rope": dcfg.rope_parameters,
+        "serve": sidecar.get("serve"),
+        "weights_mib": round(size / 2**20, 2),
+        "target": sidecar.get("target"),
+    }

@@ -133,7 +133,8 @@ def test_bad_out_dirs_are_named_in_one_line(tmp_path, tok, monkeypatch, capsys, 
     with pytest.raises(InputError, match=rf"^extract.out_dir={bad}: .*{why}"):
         extract(samples, make_tiny_target(), bad, ExtractConfig(progress=False))
     # export: refused with the other problems, before anything is written
-    from eyas.serving.export import ExportError, export
+    from eyas.serving.export import export
+    from eyas.serving.export_format import ExportError
     from tests.train.test_trainer import tiny_setup
 
     target, drafter, _ = tiny_setup(num_samples=2)

@@ -7,18 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from eyas.serving.export import (
-    EYAS_SIDECAR,
-    WEIGHTS,
-    ExportError,
-    ExportJob,
-    ExportStage,
-    describe_export,
-    export,
-    record_serving,
-    run,
-)
-from eyas.serving.load import DrafterLoadError, load_drafter, random_drafter
+from eyas.serving.export import ExportJob, ExportStage, export, record_serving, run
+from eyas.serving.export_format import EYAS_SIDECAR, WEIGHTS, ExportError
+from eyas.serving.load import DrafterLoadError, describe_export, load_drafter, random_drafter
 from eyas.serving.models.drafter import save_drafter_weights
 from eyas.serving.models.target import TargetConfig
 

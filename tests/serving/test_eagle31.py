@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from eyas.serving.export import ExportConfig, describe_export, export, load_exported, round_trip_error
+from eyas.serving.export import ExportConfig, export, round_trip_error
+from eyas.serving.load import describe_export, load_exported
 from eyas.serving.models.drafter import Eagle3Drafter, load_trained_drafter, save_drafter_weights
 from eyas.train.config import DraftModelConfig
 from eyas.train.setup import build_drafter

@@ -11,16 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.serving.export import (
-    ExportConfig,
-    ExportError,
-    TargetSpec,
-    check_tensors,
-    describe_export,
-    expected_tensors,
-    export,
-    load_exported,
-)
+from eyas.serving.export import ExportConfig, TargetSpec, export
+from eyas.serving.export_format import ExportError, check_tensors, expected_tensors
+from eyas.serving.load import describe_export, load_exported
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
 from eyas.serving.models.target import default_aux_layers
 from eyas.serving.models.tiny import tiny_config
@@ -424,7 +417,8 @@ def test_load_refuses_speculators_config_without_explicit_norm_before_residual(t
 
 
 def test_the_export_records_how_to_serve_it_and_an_evaluation_can_change_k(tmp_path):
-    from eyas.serving.export import describe_export, record_serving
+    from eyas.serving.export import record_serving
+    from eyas.serving.load import describe_export
 
     d, cfg = make_drafter()
     out = tmp_path / "out"

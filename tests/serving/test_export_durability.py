@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import eyas.common
-from eyas.serving.export import WEIGHTS, ExportConfig, ExportError, export
+from eyas.serving.export import ExportConfig, export
+from eyas.serving.export_format import WEIGHTS, ExportError
 from eyas.serving.load import DrafterLoadError, load_drafter, random_drafter
 
 from ..conftest import make_tiny_target

@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.serving.engine_process import EngineServerConfig, vllm_command
-from eyas.serving.export import ExportConfig, ExportError, export, load_exported
+from eyas.serving.export import ExportConfig, export
+from eyas.serving.export_format import ExportError
+from eyas.serving.load import load_exported
 from eyas.serving.loop import generate
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
 from eyas.serving.proposers import DraftContext, Eagle3Proposer
