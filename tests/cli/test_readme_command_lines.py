@@ -108,7 +108,7 @@ def test_every_readme_command_line_parses(tmp_path):
     names = {name for name, _ in lines}
     # the extractor finds what the README shows (were it to find nothing, nothing would be checked)
     assert {"prepare", "extract", "train", "export", "eval", "context", "diagnose", "plan", "recipe"} <= names
-    assert {"eyas.pipeline", "eyas.train", "eyas.data.extract", "eyas.lab.bench_served"} <= names
+    assert {"eyas.pipeline", "eyas.train", "eyas.data.extract", "eyas.lab.recipe"} <= names
     assert ("diagnose", [f"diagnose.export_dir={tmp_path}"]) in lines
     failed = []
     for name, overrides in dict.fromkeys((n, tuple(o)) for n, o in lines):  # each distinct line once
