@@ -37,6 +37,12 @@ Design decisions (what each consumer does was read from its own model-loading co
   vLLM's ``yarn`` scale cos/sin by ``(0.1 ln factor + 1) × attn_factor`` and ignore ``mscale`` /
   ``mscale_all_dim``, while transformers (whose rope the drafter trains with) uses their ratio (1.0 for
   DeepSeek-V3 / Kimi-K2); so ``rope_scaling`` also carries the ``attn_factor`` that makes the two agree.
+- A sliding-window drafter (``DrafterConfig.attention_window``) writes ``sliding_window`` and ``layer_types:
+  ["sliding_attention"]``: vLLM 0.32 (``model_executor/models/llama.py``, ``LlamaAttention.__init__``) gives a
+  layer ``per_layer_sliding_window = config.sliding_window`` when ``layer_types[layer_idx -
+  config.target_layer_count]`` is ``sliding_attention``; ``llama_eagle3.py`` names the drafter's layer
+  ``layers.{L}`` after an L-layer target and sets ``target_layer_count = L``, so a 1-layer drafter reads index 0.
+  SGLang's ``LlamaForCausalLMEagle3`` reads neither field (it serves such a drafter with full attention).
 - dtype: ``torch_dtype`` and ``dtype`` both written. Float tensors are cast to :attr:`ExportConfig.dtype`;
   ``d2t`` stays int64 and ``t2d`` bool.
 - Every check runs before anything is written; the directory is written under a temporary name and renamed
@@ -492,7 +498,35 @@ def _llama_fields(c: DrafterConfig, dtype: str) -> dict[str, Any]:
         "dtype": dtype,
     }
     out.update(_rope_keys(c))
+    out.update(window_fields(c))
     return out
+
+
+def window_fields(c: DrafterConfig) -> dict[str, Any]:
+    """The sliding window as vLLM 0.32 reads it for a draft layer (module docstring); nothing for full attention.
+    vllm/model_executor/models/llama.py: ``layer_types[layer_idx - config.target_layer_count] ==
+    "sliding_attention"`` -> ``sliding_window = config.sliding_window``."""
+    if c.attention_window is None:
+        return {}
+    return {"sliding_window": c.attention_window, "layer_types": ["sliding_attention"]}
+
+
+def _window_from(layer: dict[str, Any], path: Path) -> int | None:
+    """The drafter window an export's layer config declares (None: full attention), as vLLM would apply it."""
+    types = layer.get("layer_types")
+    if not types:
+        return None
+    if len(types) != 1 or types[0] not in ("sliding_attention", "full_attention"):
+        raise ExportError(
+            f"{path}: layer_types {types} is not one 'sliding_attention' or 'full_attention' entry for the "
+            "drafter's single layer"
+        )
+    if types[0] == "full_attention":
+        return None
+    window = layer.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ExportError(f"{path}: layer_types says sliding_attention but sliding_window is {window!r}")
+    return window
 
 
 def sglang_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -> dict[str, Any]:
@@ -892,6 +926,7 @@ def _drafter_config_from(
             embed_scale=float(sidecar.get("embed_scale", 1.0)),
             target_hidden_size=None if target_hidden is None else int(target_hidden),
             **options,
+            attention_window=_window_from(layer, path),
         )
     except KeyError as e:
         raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e
