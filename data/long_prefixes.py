@@ -103,7 +103,7 @@ def pad_to_context(
     if len(ids) >= length:
         return ids
     chosen: list[dict[str, str]] = []
-    for j in range(4 * len(pairs)):
+    for j in range(len(pairs)):  # each pair once: repeated text would flatter prompt lookup
         user, answer = pairs[(offset + j) % len(pairs)]
         full = format_prompt(system + chosen + [user, answer] + rest, tokenizer)
         if len(full) <= length:

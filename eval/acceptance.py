@@ -153,11 +153,14 @@ class SetMethodResult:
     """Greedy only: fraction of prompts whose output equals plain decoding's."""
     step_records: list[tuple[int, float, float, int, int]] = field(default_factory=list, repr=False)
     """(context_len, draft_s, verify_s, accepted, drafted) of every step, for plots and the throughput model."""
+    prompt_steps: list[int] = field(default_factory=list, repr=False)
+    """Steps of each prompt, in order: which of ``step_records`` belong to which prompt (intervals over prompts)."""
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = asdict(self)
         if not with_steps:
             d.pop("step_records")
+            d.pop("prompt_steps")
         return d
 
 
@@ -200,6 +203,7 @@ def aggregate(prompt_set: str, method: str, label: str, runs: list[GenerationRes
         mean_context=sum(s.context_len for s in steps) / n,
         mean_ttft_ms=1e3 * sum(r.prefill_s for r in runs) / max(len(runs), 1),
         step_records=[(s.context_len, s.draft_s, s.verify_s, s.num_accepted, s.num_drafted) for s in steps],
+        prompt_steps=[len(r.steps) for r in runs],
     )
 
 

@@ -14,6 +14,15 @@ Design decisions:
 - The prefix comes from the corpus's held-out split by default, and each prompt gets a different one (``offset``).
 - ``eval.diagnose`` reads the JSON written here (``diagnose.tau_context=<path>``) to price each length with the τ measured
   at that length.
+- Intervals: a seeded bootstrap over prompts (:func:`bootstrap_intervals`, 95%), small so that a shared interval
+  helper can replace it.
+- Context grown by the target's own answer (``answer_tokens``): the prompts of the shortest length are generated
+  that long and each
+  verify step is put in the bin of the largest length <= its context (points of ``kind="answer"``), beside the
+  long-prefix points (``kind="prefix"``): reasoning traces are long because the model writes them.
+- ``check_target``: the target's own loss on real long text over its first and last ``loss_span`` tokens at the
+  longest length (:func:`target_long_loss`), so a τ that falls with context is known to be the drafter's failure
+  and not a target that cannot read that far (e.g. a rope-scaled target, ``target=smollm2_yarn``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ from eyas.serving.verify import SamplingConfig
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "context.json"
+ANSWER_SET = "answer"
+"""The prompt set whose context grows by the target's own answer (``ContextConfig.answer_tokens``)."""
 METHODS = ("eagle3-chain", "eagle3-tree", "prompt-lookup", "none")
 
 
@@ -70,6 +81,19 @@ class ContextConfig:
     """Seeds the prompt choice."""
     threads: int | None = None
     """torch CPU threads (None: leave as is)."""
+    attention_window: int | None = None
+    """Serve the drafter with this sliding window (``DrafterConfig.attention_window``) instead of its own; None:
+    the drafter's own."""
+    answer_tokens: int = 0
+    """> 0: also generate the bare prompts this many tokens and report τ with the context grown by the target's
+    own answer, binned by ``lengths`` (``kind="answer"``); 0: only long prefixes."""
+    check_target: bool = False
+    """Also report the target's loss on real long text over its first and last ``loss_span`` tokens at the longest
+    length (the target's own long-context quality)."""
+    loss_span: int = 1024
+    """Tokens at each end of the text ``check_target`` scores."""
+    bootstrap: int = 1000
+    """Bootstrap resamples over prompts for the 95% intervals of τ and tokens/s (0: none)."""
     out_dir: str = "runs/context"
     """Results go to ``<out_dir>/<hash of the settings, drafter and target>/``."""
 
@@ -84,6 +108,10 @@ class ContextConfig:
             raise ValueError(f"context.methods: unknown {bad} (known: {list(METHODS)})")
         if self.chain_length < 1:
             raise ValueError(f"context.chain_length (K) must be >= 1, got {self.chain_length}")
+        if self.answer_tokens < 0 or self.loss_span < 1 or self.bootstrap < 0:
+            raise ValueError(
+                "context.answer_tokens and context.bootstrap must be >= 0, context.loss_span >= 1"
+            )
 
 
 @dataclass
@@ -124,6 +152,24 @@ class ContextPoint:
     """Tokens accepted at each verify step (what ``eval.diagnose`` prices with its own step costs)."""
     drafted: list[int] = field(default_factory=list)
     """Tokens drafted at each verify step."""
+    kind: str = "prefix"
+    """``prefix``: the context is a long real prefix before the prompt; ``answer``: the target's own answer."""
+    tau_ci: list[float] = field(default_factory=list)
+    """95% bootstrap interval of τ over prompts ([lo, hi]; empty with fewer than two prompts)."""
+    tokens_per_s_ci: list[float] = field(default_factory=list)
+    """95% bootstrap interval of tokens/s over prompts (τ and draft+verify time per step resampled together)."""
+
+
+@dataclass
+class LongTextLoss:
+    """The target's cross-entropy (nats/token) on one real long text, at its start and at its end."""
+
+    tokens: int
+    first: float
+    """Mean loss over the first ``span`` predicted tokens."""
+    last: float
+    """Mean loss over the last ``span`` tokens (reading everything before them)."""
+    span: int
 
 
 @dataclass
@@ -133,6 +179,7 @@ class ContextResult:
     target: dict[str, Any]
     out: Path
     seconds: float
+    target_loss: LongTextLoss | None = None
 
     def get(self, method: str, length: int) -> ContextPoint | None:
         return next((p for p in self.points if p.method == method and p.length == length), None)
@@ -146,6 +193,7 @@ class ContextResult:
             "config": self.config,
             "target": self.target,
             "seconds": self.seconds,
+            "target_loss": None if self.target_loss is None else asdict(self.target_loss),
         }
 
 
@@ -163,15 +211,19 @@ def build_context_prompts(cfg: ContextConfig, tokenizer) -> dict[int, list[list[
 
 
 def points_from(
-    acc: AcceptanceResult, prompts: dict[int, list[list[int]]], chain_length: int
+    acc: AcceptanceResult, prompts: dict[int, list[list[int]]], chain_length: int, bootstrap: int = 0
 ) -> list[ContextPoint]:
-    """One :class:`ContextPoint` per result of the acceptance run (its prompt sets are named by length)."""
+    """One :class:`ContextPoint` per long-prefix result of the acceptance run (its prompt sets are named by
+    length; the ``answer`` set is :func:`answer_points`'s)."""
     out = []
     for r in acc.results:
+        if r.prompt_set == ANSWER_SET:
+            continue
         length = int(r.prompt_set)
         steps = max(r.steps, 1)
         step_s = r.tau / r.decode_tokens_per_s if r.decode_tokens_per_s else float("nan")
         ps = prompts[length]
+        tau_ci, tps_ci = bootstrap_intervals(r.step_records, r.prompt_steps, r.decode_tokens_per_s, bootstrap)
         out.append(
             ContextPoint(
                 method=r.method,
@@ -190,8 +242,92 @@ def points_from(
                 chain_length=0 if r.method == "none" else chain_length,
                 accepted=[rec[3] for rec in r.step_records],
                 drafted=[rec[4] for rec in r.step_records],
+                tau_ci=tau_ci,
+                tokens_per_s_ci=tps_ci,
             )
         )
+    return out
+
+
+def _per_prompt(records: list, prompt_steps: list[int]) -> list[list]:
+    out, i = [], 0
+    for n in prompt_steps:
+        out.append(records[i : i + n])
+        i += n
+    return out
+
+
+def bootstrap_intervals(
+    records: list, prompt_steps: list[int], tokens_per_s: float, resamples: int, seed: int = 0
+) -> tuple[list[float], list[float]]:
+    """95% percentile intervals of τ and tokens/s over prompts drawn with replacement (seeded). A step emits its
+    accepted tokens + 1; tokens/s scales the measured one by each resample's tokens per second of draft + verify
+    time against the whole set's. Empty lists without resamples or with fewer than two prompts."""
+    groups = [g for g in _per_prompt(records, prompt_steps) if g]
+    if resamples <= 0 or len(groups) < 2:
+        return [], []
+    emitted = torch.tensor([sum(r[3] + 1 for r in g) for g in groups], dtype=torch.float64)
+    steps = torch.tensor([len(g) for g in groups], dtype=torch.float64)
+    busy = torch.tensor([sum(r[1] + r[2] for r in g) for g in groups], dtype=torch.float64)
+    pick = torch.randint(len(groups), (resamples, len(groups)), generator=torch.Generator().manual_seed(seed))
+    tau = emitted[pick].sum(1) / steps[pick].sum(1)
+    rate = emitted[pick].sum(1) / busy[pick].sum(1).clamp(min=1e-12)
+    tps = tokens_per_s * rate / (emitted.sum() / busy.sum().clamp(min=1e-12))
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    return torch.quantile(tau, q).tolist(), torch.quantile(tps, q).tolist()
+
+
+def answer_points(
+    acc: AcceptanceResult, lengths: list[int], chain_length: int, bootstrap: int
+) -> list[ContextPoint]:
+    """τ with the context grown by the target's own answer: the ``answer`` set's verify steps binned by the
+    largest of ``lengths`` <= their context. Step time here is draft + verify (no loop bookkeeping)."""
+    edges = sorted(lengths)
+    out: list[ContextPoint] = []
+    for r in (x for x in acc.results if x.prompt_set == ANSWER_SET):
+        groups = _per_prompt(r.step_records, r.prompt_steps)
+        for i, lo in enumerate(edges):
+            hi = edges[i + 1] if i + 1 < len(edges) else float("inf")
+            binned = [[s for s in g if lo <= s[0] < hi] for g in groups]
+            recs = [s for g in binned for s in g]
+            if not recs:
+                continue
+            n = len(recs)
+            tau = sum(s[3] + 1 for s in recs) / n
+            step_s = sum(s[1] + s[2] for s in recs) / n
+            depth = max(s[4] for s in recs)
+            by_pos = [
+                sum(s[3] >= k for s in recs if s[4] >= k) / max(sum(s[4] >= k for s in recs), 1)
+                for k in range(1, depth + 1)
+            ]
+            tps = tau / step_s if step_s else float("nan")
+            tau_ci, tps_ci = bootstrap_intervals(recs, [len(g) for g in binned], tps, bootstrap)
+            out.append(
+                ContextPoint(
+                    method=r.method,
+                    length=lo,
+                    mean_context=sum(s[0] for s in recs) / n,
+                    prompt_tokens=float("nan"),
+                    tau=tau,
+                    acceptance_by_position=by_pos,
+                    step_ms=1e3 * step_s,
+                    draft_ms=1e3 * sum(s[1] for s in recs) / n,
+                    verify_ms=1e3 * sum(s[2] for s in recs) / n,
+                    tokens_per_s=tps,
+                    speedup=float("nan"),
+                    match_rate=r.match_rate,
+                    steps=n,
+                    chain_length=0 if r.method == "none" else chain_length,
+                    accepted=[s[3] for s in recs],
+                    drafted=[s[4] for s in recs],
+                    kind="answer",
+                    tau_ci=tau_ci,
+                    tokens_per_s_ci=tps_ci,
+                )
+            )
+    base = {p.length: p.tokens_per_s for p in out if p.method == "none"}
+    for p in out:
+        p.speedup = p.tokens_per_s / base[p.length] if base.get(p.length) else float("nan")
     return out
 
 
@@ -203,15 +339,48 @@ def _speedup(acc: AcceptanceResult, prompt_set: str, tokens_per_s: float) -> flo
 def measure(
     target: Target, drafter, prompts: dict[int, list[list[int]]], cfg: ContextConfig
 ) -> list[ContextPoint]:
-    """Generate every prompt at every length with every method of ``cfg``; one point per (method, length)."""
+    """Generate every prompt at every length with every method of ``cfg``; one point per (method, length), and
+    per (method, length bin) of the target's own long answers when ``cfg.answer_tokens`` is set."""
     methods = [m for m in default_methods(cfg.chain_length) if m.name in cfg.methods]
     spec = cfg.prompts
     sets = {
         str(n): (PromptSetSpec(str(n), spec.source, len(ps), spec.label, spec.max_new_tokens), ps)
         for n, ps in prompts.items()
     }
+    if cfg.answer_tokens:  # the prompts at the shortest length, answered at length
+        bare = prompts[min(prompts)]
+        sets[ANSWER_SET] = (
+            PromptSetSpec(ANSWER_SET, spec.source, len(bare), spec.label, cfg.answer_tokens),
+            bare,
+        )
     acc = run_acceptance(target, drafter, sets, methods, SamplingConfig())
-    return points_from(acc, prompts, cfg.chain_length)
+    return points_from(acc, prompts, cfg.chain_length, cfg.bootstrap) + answer_points(
+        acc, cfg.lengths, cfg.chain_length, cfg.bootstrap
+    )
+
+
+@torch.inference_mode()
+def target_long_loss(target: Target, ids: list[int], span: int = 1024) -> LongTextLoss:
+    """The target's loss on ``ids`` (one real long text) over its first and last ``span`` predicted tokens; the
+    logits are computed at those rows only (a 32k x 49k fp32 logit matrix would be 6 GB)."""
+    x = torch.tensor(ids, device=target.device)[None]
+    span = min(span, (len(ids) - 1) // 2)
+    if span < 1:
+        raise ValueError(f"a text of {len(ids)} tokens is too short to score its first and last tokens")
+    rows = torch.cat([torch.arange(span), torch.arange(len(ids) - 1 - span, len(ids) - 1)]).to(x.device)
+    logits = target.forward(x, logits=rows).logits[0]  # [2 * span, V] fp32
+    nll = torch.nn.functional.cross_entropy(logits, x[0, rows + 1], reduction="none")
+    return LongTextLoss(len(ids), float(nll[:span].mean()), float(nll[span:].mean()), span)
+
+
+def long_text(cfg: ContextConfig, tokenizer, length: int) -> list[int]:
+    """Real long text for :func:`target_long_loss`: held-out turn pairs of ``prefix_corpus`` joined under the chat
+    template up to ``length`` tokens (the prefixes the sweep uses, a different rotation)."""
+    from eyas.data.long_prefixes import pad_to_context, turn_pairs
+
+    pairs = turn_pairs(cfg.prefix_corpus, cfg.prefix_conversations, cfg.prefix_split)
+    ask = [{"role": "user", "content": "Summarize the conversation above."}]
+    return pad_to_context(ask, pairs, tokenizer, length, offset=3)
 
 
 def run(
@@ -247,6 +416,8 @@ def run(
         from eyas.serving.load import load_drafter
 
         drafter = load_drafter(cfg.export_dir, target).drafter
+    if drafter is not None and cfg.attention_window is not None:
+        drafter.config.attention_window = cfg.attention_window
     out = Path(cfg.out_dir) / json_hash(
         {
             "context": asdict(cfg),
@@ -258,12 +429,24 @@ def run(
         prompts = build_context_prompts(cfg, target.tokenizer)
     for length, ps in prompts.items():
         log.info("context %d: prompts of %s tokens", length, [len(p) for p in ps])
+    loss = None
+    if cfg.check_target:
+        loss = target_long_loss(target, long_text(cfg, target.tokenizer, max(cfg.lengths)), cfg.loss_span)
+        log.info(
+            "target loss on %d tokens of real text: first %d %.3f, last %d %.3f nats/token",
+            loss.tokens,
+            loss.span,
+            loss.first,
+            loss.span,
+            loss.last,
+        )
     result = ContextResult(
         points=measure(target, drafter, prompts, cfg),
         config={**json.loads(json.dumps(asdict(cfg), default=str)), "command": command},
         target=target.info.to_dict(),
         out=out,
         seconds=time.perf_counter() - t0,
+        target_loss=loss,
     )
     write_report(result)
     return result
@@ -272,16 +455,29 @@ def run(
 # -- report --------------------------------------------------------------------------------------------------------
 def markdown_table(result: ContextResult) -> str:
     lines = [
-        "| method | context (mean) | τ | acceptance per position | step ms | tokens/s | speedup | greedy match |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| method | context grown by | context (mean) | τ [95%] | acceptance per position | step ms | draft ms "
+        "| tokens/s [95%] | speedup | greedy match |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for p in sorted(result.points, key=lambda p: (p.method, p.length)):
+    for p in sorted(result.points, key=lambda p: (p.kind, p.method, p.length)):
         acc = " ".join(f"{a:.2f}" for a in p.acceptance_by_position)
         lines.append(
-            f"| {p.method} | {p.length} ({p.mean_context:.0f}) | {p.tau:.2f} | {acc} | {p.step_ms:.1f} "
-            f"| {p.tokens_per_s:.1f} | {p.speedup:.2f}× | {p.match_rate:.0%} |"
+            f"| {p.method} | {p.kind} | {p.length} ({p.mean_context:.0f}) | {p.tau:.2f} {_ci(p.tau_ci, 2)} | {acc} "
+            f"| {p.step_ms:.1f} | {p.draft_ms:.1f} | {p.tokens_per_s:.1f} {_ci(p.tokens_per_s_ci, 1)} "
+            f"| {p.speedup:.2f}× | {p.match_rate:.0%} |"
         )
+    loss = result.target_loss
+    if loss is not None:
+        lines += [
+            "",
+            f"Target loss on {loss.tokens} tokens of held-out text: first {loss.span} tokens {loss.first:.3f}, "
+            f"last {loss.span} tokens {loss.last:.3f} nats/token.",
+        ]
     return "\n".join(lines)
+
+
+def _ci(ci: list[float], digits: int) -> str:
+    return f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]" if ci else ""
 
 
 def plot(result: ContextResult, path: Path) -> Path:
@@ -292,13 +488,26 @@ def plot(result: ContextResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    methods = list(dict.fromkeys(p.method for p in result.points))
+    methods = list(dict.fromkeys((p.method, p.kind) for p in result.points))
     for ax, attr, label in zip(
         axes, ("tau", "step_ms", "tokens_per_s"), ("τ (tokens per step)", "step time (ms)", "tokens/s")
     ):
-        for m in methods:
-            pts = sorted((p for p in result.points if p.method == m), key=lambda p: p.length)
-            ax.plot([p.mean_context for p in pts], [getattr(p, attr) for p in pts], marker="o", label=m)
+        for m, kind in methods:
+            pts = sorted(
+                (p for p in result.points if (p.method, p.kind) == (m, kind)), key=lambda p: p.length
+            )
+            xs, ys = [p.mean_context for p in pts], [getattr(p, attr) for p in pts]
+            label = m if kind == "prefix" else f"{m} (own answer)"
+            style = "-" if kind == "prefix" else "--"
+            ci = {"tau": "tau_ci", "tokens_per_s": "tokens_per_s_ci"}.get(attr)
+            if ci and all(getattr(p, ci) for p in pts):
+                err = [
+                    [y - getattr(p, ci)[0] for p, y in zip(pts, ys)],
+                    [getattr(p, ci)[1] - y for p, y in zip(pts, ys)],
+                ]
+                ax.errorbar(xs, ys, yerr=err, marker="o", linestyle=style, label=label, capsize=3)
+            else:
+                ax.plot(xs, ys, marker="o", linestyle=style, label=label)
         ax.set_xscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(label)
@@ -344,7 +553,10 @@ def load_tau_context(path: str | Path) -> ContextResult:
         raise FileNotFoundError(f"{p}: no τ(context) results (write them with `eyas context`)")
     d = json.loads(p.read_text())
     points = [ContextPoint(**x) for x in d["points"]]
-    return ContextResult(points, d.get("config", {}), d.get("target", {}), p.parent, d.get("seconds", 0.0))
+    loss = LongTextLoss(**d["target_loss"]) if d.get("target_loss") else None
+    return ContextResult(
+        points, d.get("config", {}), d.get("target", {}), p.parent, d.get("seconds", 0.0), loss
+    )
 
 
 # -- command ----------------------------------------------------------------------------------------------------------

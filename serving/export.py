@@ -37,6 +37,12 @@ Design decisions (what each consumer does was read from its own model-loading co
   vLLM's ``yarn`` scale cos/sin by ``(0.1 ln factor + 1) × attn_factor`` and ignore ``mscale`` /
   ``mscale_all_dim``, while transformers (whose rope the drafter trains with) uses their ratio (1.0 for
   DeepSeek-V3 / Kimi-K2); so ``rope_scaling`` also carries the ``attn_factor`` that makes the two agree.
+- A sliding-window drafter (``DrafterConfig.attention_window``) writes ``sliding_window`` and ``layer_types:
+  ["sliding_attention"]``: vLLM 0.32 (``model_executor/models/llama.py``, ``LlamaAttention.__init__``) gives a
+  layer ``per_layer_sliding_window = config.sliding_window`` when ``layer_types[layer_idx -
+  config.target_layer_count]`` is ``sliding_attention``; ``llama_eagle3.py`` names the drafter's layer
+  ``layers.{L}`` after an L-layer target and sets ``target_layer_count = L``, so a 1-layer drafter reads index 0.
+  SGLang's ``LlamaForCausalLMEagle3`` reads neither field (it serves such a drafter with full attention).
 - dtype: ``torch_dtype`` and ``dtype`` both written. Float tensors are cast to :attr:`ExportConfig.dtype`;
   ``d2t`` stays int64 and ``t2d`` bool.
 - Every check runs before anything is written; the directory is written under a temporary name, every file and the
@@ -406,7 +412,17 @@ def _llama_fields(c: DrafterConfig, dtype: str) -> dict[str, Any]:
         "dtype": dtype,
     }
     out.update(_rope_keys(c))
+    out.update(window_fields(c))
     return out
+
+
+def window_fields(c: DrafterConfig) -> dict[str, Any]:
+    """The sliding window as vLLM 0.32 reads it for a draft layer (module docstring); nothing for full attention.
+    vllm/model_executor/models/llama.py: ``layer_types[layer_idx - config.target_layer_count] ==
+    "sliding_attention"`` -> ``sliding_window = config.sliding_window``."""
+    if c.attention_window is None:
+        return {}
+    return {"sliding_window": c.attention_window, "layer_types": ["sliding_attention"]}
 
 
 def sglang_config(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -> dict[str, Any]:

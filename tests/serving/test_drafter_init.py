@@ -118,3 +118,13 @@ def test_the_default_drafter_starts_from_the_target():
             cfg = build_config(DraftModelConfig, compose(name).drafter, "drafter")
             assert cfg.init == "target" and cfg.draft_vocab_size == 8192, name
     assert DraftModelConfig().init == "target" and DraftModelConfig().draft_vocab_size == 8192
+
+
+def test_the_training_config_window_reaches_the_drafter(tiny_target):
+    target = tiny_target("llama", num_layers=6)
+    vocab = build_draft_vocab(torch.arange(target.vocab_size, 0, -1), 64)
+    d = build_drafter(target, DraftModelConfig(draft_vocab_size=64, attention_window=32), vocab, seed=0)
+    assert d.config.attention_window == 32
+    assert build_drafter(target, DraftModelConfig(draft_vocab_size=64), vocab).config.attention_window is None
+    with pytest.raises(ValueError, match="drafter.attention_window"):
+        DraftModelConfig(attention_window=0)

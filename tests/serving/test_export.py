@@ -443,3 +443,51 @@ def test_the_export_records_how_to_serve_it_and_an_evaluation_can_change_k(tmp_p
     assert stat.S_IMODE((out / "eyas_export.json").stat().st_mode) == 0o644
     serve = record_serving(out, 0, "eval report r.md")  # plain decoding measured fastest: no command
     assert "commands" not in serve and "plain decoding" in serve["note"]
+
+
+# -- sliding-window drafters ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_export_round_trip_keeps_the_window(tmp_path, fmt):
+    d, cfg = make_drafter(attention_window=3)  # run_both reaches position 8: the window hides keys
+    export(d, spec_for(cfg), tmp_path / "out", fmt, config=ExportConfig(dtype="float32"))
+    loaded = load_exported(tmp_path / "out", embedding=d.embed_tokens.weight)
+    assert loaded.config.attention_window == 3
+    for a, b in zip(*[sum(run_both(m), []) for m in (d, loaded)]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    full, _ = make_drafter()  # same weights, no window: different logits, so the window was exercised
+    assert not torch.equal(sum(run_both(full), [])[-1], sum(run_both(loaded), [])[-1])
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_exported_window_is_where_vllm_reads_it(tmp_path, fmt):
+    """vLLM 0.32 (vllm/model_executor/models/llama.py, LlamaAttention.__init__): the layer named
+    ``model.layers.{L}`` after an L-layer target (llama_eagle3.py: start_layer_id = target_layer_count = L) is
+    sliding iff ``layer_types[L - target_layer_count] == "sliding_attention"``, with ``config.sliding_window``.
+    The config is what transformers' LlamaConfig keeps of the file (speculators: of transformer_layer_config)."""
+    from transformers import LlamaConfig
+
+    d, cfg = make_drafter(attention_window=5)
+    export(d, spec_for(cfg), tmp_path / "out", fmt)
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
+    hf = LlamaConfig(**{k: v for k, v in layer.items() if k != "architectures"})
+    target_layer_count = cfg.num_hidden_layers
+    layer_idx = int(f"model.layers.{target_layer_count}.self_attn".split(".")[2])  # extract_layer_index
+    assert hf.layer_types[layer_idx - target_layer_count] == "sliding_attention"
+    assert hf.sliding_window == 5
+    d, cfg = make_drafter()
+    export(d, spec_for(cfg), tmp_path / "full", fmt)
+    raw = json.loads((tmp_path / "full" / "config.json").read_text())
+    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
+    assert "layer_types" not in layer and "sliding_window" not in layer  # full attention: as before
+
+
+def test_export_declaring_a_window_without_its_size_is_refused(tmp_path):
+    d, cfg = make_drafter(attention_window=5)
+    export(d, spec_for(cfg), tmp_path / "out", "sglang")
+    path = tmp_path / "out" / "config.json"
+    raw = json.loads(path.read_text())
+    raw.pop("sliding_window")
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ExportError, match="sliding_window"):
+        load_exported(tmp_path / "out", embedding=d.embed_tokens.weight)

@@ -33,14 +33,18 @@ def one_thread():
 
 
 # -- drafters used by the tests ----------------------------------------------------------------------------------
-def make_drafter(target, seed: int = 0, draft_vocab: int | None = None, copy: bool = False) -> Eagle3Drafter:
+def make_drafter(
+    target, seed: int = 0, draft_vocab: int | None = None, copy: bool = False, window: int | None = None
+) -> Eagle3Drafter:
     """A random-init EAGLE-3 drafter for ``target``; with ``copy``, weights that make its context rows repeat the
     target's own prediction: fc passes the last aux layer (the output of layer L-2), the drafter block computes
     the target's last layer on it (llama-style targets; elsewhere it adds nothing), norm and head are the
-    target's."""
+    target's. ``window``: its attention_window."""
     v = target.vocab_size
     draft_vocab = draft_vocab or v
-    cfg = DrafterConfig.from_target(target.model.config, list(target.aux_layers), draft_vocab)
+    cfg = DrafterConfig.from_target(
+        target.model.config, list(target.aux_layers), draft_vocab, attention_window=window
+    )
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(cfg).to(target.dtype)
     drafter.set_embedding(target.model.get_input_embeddings().weight)
@@ -269,13 +273,16 @@ def ttt_logits(
     return drafter.logits(out.hidden[len(path)][0, committed.numel() - 1])
 
 
-def test_drafter_cache_path_equals_uncached_unroll(monkeypatch):
+@pytest.mark.parametrize("window", [None, 5])
+def test_drafter_cache_path_equals_uncached_unroll(window, monkeypatch):
     """After a few steps of generation (accepted rows rebuilt from target aux, tree rows discarded), the
-    proposer's chain (sampled q) and tree (every expanded node) distributions equal the uncached unroll."""
+    proposer's chain (sampled q) and tree (every expanded node) distributions equal the uncached unroll; with a
+    sliding window (5 tokens of a ~30-token context) too, at every draft depth."""
     import eyas.serving.proposers as proposers_mod
 
     target, prompt, ref = tiny_case("llama")
-    drafter = make_drafter(target, seed=5, draft_vocab=200)  # random: every input and the attention matter
+    # random: every input and the attention matter
+    drafter = make_drafter(target, seed=5, draft_vocab=200, window=window)
     proposer = Eagle3Proposer(drafter, chain_length=3, tree=TreeConfig(topk=2, depth=3, total_tokens=6))
     res = generate(target, proposer, prompt, 15, mode="tree")
     committed = torch.cat([prompt, torch.tensor(res.tokens[:-1])])

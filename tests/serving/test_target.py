@@ -204,3 +204,58 @@ def test_eval_numerics_on_cpu_bf16_exact_where_the_probe_passes_else_fp32(tiny_t
     assert EvalStageConfig(prompt_sets=sets, dtype="float32").numerics(t)[0].attention == "sdpa"
     with pytest.raises(ValueError, match="eval.dtype must be"):
         EvalStageConfig(prompt_sets=sets, dtype="fp8")
+
+
+# -- rope scaling over the target's own (a YaRN-extended target) ----------------------------------------------------
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+
+
+def test_rope_scaling_reaches_the_model_the_drafter_and_the_export(tmp_path, monkeypatch):
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eyas.serving.export import ExportConfig, TargetSpec, export
+    from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
+    from eyas.serving.models.target import TargetConfig, model_source
+    from eyas.serving.models.tiny import tiny_model
+
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "tiny"
+    tiny_model("llama", max_position_embeddings=512).save_pretrained(src)
+    path, name = model_source(TargetConfig(path=str(src), rope_scaling=YARN))
+    assert name.endswith("+yarnx4") and path != str(src)
+    assert json.loads((src / "config.json").read_text())["max_position_embeddings"] == 512  # source untouched
+    model = AutoModelForCausalLM.from_pretrained(path)  # weights linked from the source
+    c = model.config
+    assert c.max_position_embeddings == 2048
+    assert {k: c.rope_parameters[k] for k in YARN} == YARN
+    assert AutoConfig.from_pretrained(path).rope_parameters["rope_type"] == "yarn"
+
+    dcfg = DrafterConfig.from_target(c, [0, 1, 2], 32)
+    assert dcfg.max_position_embeddings == 2048 and dcfg.rope_parameters["rope_type"] == "yarn"
+    yarn, plain = (
+        Eagle3Drafter(dcfg).rotary,
+        Eagle3Drafter(DrafterConfig.from_target(AutoConfig.from_pretrained(src), [0, 1, 2], 32)).rotary,
+    )
+    assert yarn.scaling > 1.0 and not torch.equal(
+        yarn.inv_freq, plain.inv_freq
+    )  # the drafter's rope is YaRN's
+
+    d = Eagle3Drafter(dcfg)
+    d.set_vocab_map(torch.arange(32))
+    export(d, TargetSpec.from_config(c, name=name), tmp_path / "out", config=ExportConfig(dtype="float32"))
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out["max_position_embeddings"] == 2048
+    assert {k: out["rope_parameters"][k] for k in YARN} == YARN
+    assert out["rope_scaling"]["factor"] == 4.0
+
+
+def test_bad_rope_scaling_is_named():
+    from eyas.common import ConfigError
+    from eyas.serving.models.target import TargetConfig
+
+    with pytest.raises(ConfigError, match="target.rope_scaling"):
+        TargetConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ConfigError, match="factor"):
+        TargetConfig(rope_scaling={"rope_type": "yarn"})

@@ -98,7 +98,94 @@ def test_row_size_picks_the_path(monkeypatch):
     assert run(big)["checkpoint"] > 0 and calls["dense"] == 0
 
 
-def _drafter() -> Eagle3Drafter:
+def _naive(q, k0, v0, keys, values, seg, scale, window):
+    """The windowed rule row by row, written from its definition: at step j row t (position t + j) sees step-0
+    keys s of its own sample with s <= t and t + j - s < window, and its own step-i key iff j - i < window."""
+    j = len(keys)
+    out = torch.zeros_like(q)
+    g = q.shape[1] // k0.shape[1]
+    for b in range(q.shape[0]):
+        for t in range(q.shape[2]):
+            if seg[b, t] == 0:  # padding sees its own step-0 key (no row fully masked)
+                cols = [t]
+            else:
+                cols = [s for s in range(t + 1) if seg[b, s] == seg[b, t] and t + j - s < window]
+            ks = [k0[b, :, s] for s in cols] + [
+                keys[i - 1][b, :, t] for i in range(1, j + 1) if j - i < window
+            ]
+            vs = [v0[b, :, s] for s in cols] + [
+                values[i - 1][b, :, t] for i in range(1, j + 1) if j - i < window
+            ]
+            k, v = torch.stack(ks, 1).repeat_interleave(g, 0), torch.stack(vs, 1).repeat_interleave(g, 0)
+            p = torch.softmax((q[b, :, t, None] * k).sum(-1) * scale, dim=-1)  # [h, n]
+            out[b, :, t] = (p[..., None] * v).sum(1)
+    return out
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("block,window", [(4, 3), (7, 6), (64, 11)])
+def test_windowed_attention_equals_dense_and_the_rule(block, window, path, monkeypatch):
+    """With a sliding window: blocks == the dense reference in values and gradients, and both == the rule
+    written row by row; steps up to 3 with windows of 3 (narrower than the unroll) to 11."""
+    _take(monkeypatch, path)
+    t = 29
+    g = torch.Generator().manual_seed(block + window)
+    seg = _segments(t)
+
+    def rand(heads):
+        return torch.randn(B, heads, t, D, generator=g).requires_grad_()
+
+    q, k0, v0 = rand(HEADS), rand(KV), rand(KV)
+    keys, values = [rand(KV) for _ in range(3)], [rand(KV) for _ in range(3)]
+    for j in range(4):
+        inputs = [q, k0, v0, *keys[:j], *values[:j]]
+        args = (q, k0, v0, keys[:j], values[:j], seg, 0.3)
+        got = ttt_attention(*args, block=block, window=window)
+        ref = dense_ttt_attention(*args, window=window)
+        with torch.no_grad():
+            torch.testing.assert_close(ref, _naive(*args, window), rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(ref, dense_ttt_attention(*args))  # the window hides something
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        w = torch.randn(got.shape, generator=g)
+        g_got = torch.autograd.grad((got * w).sum(), inputs)
+        g_ref = torch.autograd.grad((ref * w).sum(), inputs)
+        for a, b in zip(g_got, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_blocks_read_at_most_window_plus_block_keys(monkeypatch):
+    """The cost bound: each block call reads <= window + block step-0 keys (plus its diagonal), whatever T."""
+    _take(monkeypatch, "blocks")
+    seen = []
+    real = ttt_module.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        ttt_module.F,
+        "scaled_dot_product_attention",
+        lambda q, k, *a, **kw: seen.append(k.shape[2]) or real(q, k, *a, **kw),
+    )
+    t, block, window = 200, 8, 16
+    x = torch.randn(1, 2, t, 4)
+    ttt_attention(
+        x, x, x, [x, x], [x, x], torch.ones(1, t, dtype=torch.long), 1.0, block=block, window=window
+    )
+    assert max(seen) <= window + block + 2 * block, seen
+    seen.clear()
+    ttt_attention(x, x, x, [x, x], [x, x], torch.ones(1, t, dtype=torch.long), 1.0, block=block)
+    assert max(seen) == t + 2 * block  # full attention: the last block reads every earlier key
+
+
+def test_window_longer_than_the_row_is_full_attention_exactly(monkeypatch):
+    _take(monkeypatch, "blocks")
+    t = 29
+    g = torch.Generator().manual_seed(1)
+    q, k0, v0, k1, v1 = (torch.randn(B, h, t, D, generator=g) for h in (HEADS, KV, KV, KV, KV))
+    seg = _segments(t)
+    for j in range(2):
+        args = (q, k0, v0, [k1][:j], [v1][:j], seg, 0.3)
+        assert torch.equal(ttt_attention(*args, block=4, window=t + 5), ttt_attention(*args, block=4))
+
+
+def _drafter(window: int | None = None) -> Eagle3Drafter:
     cfg = DrafterConfig(
         hidden_size=16,
         num_attention_heads=HEADS,
@@ -109,6 +196,7 @@ def _drafter() -> Eagle3Drafter:
         draft_vocab_size=20,
         aux_layer_ids=[0, 1, 2],
         max_position_embeddings=256,
+        attention_window=window,
     )
     torch.manual_seed(0)
     d = Eagle3Drafter(cfg)
@@ -116,8 +204,8 @@ def _drafter() -> Eagle3Drafter:
     return d
 
 
-def _dense(q, k0, v0, keys, values, segment_ids, scale, starts=None):
-    return dense_ttt_attention(q, k0, v0, keys, values, segment_ids, scale)
+def _dense(q, k0, v0, keys, values, segment_ids, scale, starts=None, window=None):
+    return dense_ttt_attention(q, k0, v0, keys, values, segment_ids, scale, window=window)
 
 
 def _unroll(d: Eagle3Drafter, t: int, steps: int = 4):
@@ -139,10 +227,11 @@ def _unroll(d: Eagle3Drafter, t: int, steps: int = 4):
     return out, {n: p.grad.clone() for n, p in d.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("path", list(PATHS))
-def test_forward_ttt_equals_dense_mask_unroll(path, monkeypatch):
+def test_forward_ttt_equals_dense_mask_unroll(path, window, monkeypatch):
     _take(monkeypatch, path)
-    d = _drafter()
+    d = _drafter(window)
     got, g_got = _unroll(d, 45)
     monkeypatch.setattr(drafter_module, "ttt_attention", _dense)
     ref, g_ref = _unroll(d, 45)
