@@ -5,8 +5,9 @@
 ``<work_dir>/eval/<hash>`` (the hash of the export, the settings and the target).
 
 Design decisions:
-- Choose on one split, report on another: each set's ``calibration_prompts`` (disjoint from its ``n`` reported
-  prompts) choose the chain length to serve (:mod:`eval.recommend`), and the reported prompts measure it.
+- Choose on one split, report on another: each set's ``calibration_prompts``, from its source's ``calib`` half and
+  disjoint from its reported prompts, choose the chain length to serve (:mod:`eval.recommend`), and the reported
+  prompts measure it.
 - One interleaved run measures every reported method (the chosen K's chain included) against one baseline, so
   every speedup comes from the same minutes of the machine (:func:`eval.acceptance.run_acceptance`).
 - A fair baseline: plain decoding is timed on its own fastest numerics (:class:`EvalNumerics`), the speculative
@@ -75,9 +76,10 @@ class EvalStageConfig:
     max_prompt_tokens: int = 1536
     """Prompts longer than this are left out."""
     calibration_prompts: int = 4
-    """Prompts per set, disjoint from the ``n`` reported ones, that choose the chain length to serve: the EAGLE-3
-    chain at ``chain_length`` runs on them and the step profile prices every shorter chain
-    (:mod:`eval.recommend`). 0: no recommendation (the K is never chosen on the prompts it is reported on)."""
+    """Prompts per set, from the source's ``calib`` half and disjoint from the reported ones
+    (:func:`calibration_specs`), that choose the chain length to serve: the EAGLE-3 chain at ``chain_length`` runs
+    on them and the step profile prices every shorter chain (:mod:`eval.recommend`). 0: no recommendation (the K is
+    never chosen on the prompts it is reported on)."""
     measure_best_k: bool = True
     """When the calibration split recommends a chain length other than ``chain_length``, also run the EAGLE-3
     chain at that K on the reported prompts, in the same interleaved run (method ``eagle3-chain-k<K>``): the

@@ -154,13 +154,12 @@ def test_the_k_to_serve_is_chosen_on_calibration_prompts_and_measured_in_the_rep
 
     target = make_tiny_target("llama")
     export(random_drafter(target, 64, seed=3), target, tmp_path / "export")
-    monkeypatch.setattr(
-        prompts_module,
-        "load_prompt_ids",
-        lambda spec, tok, seed=0, max_prompt_tokens=None: [
-            [20 + i, 21 + i, 22 + i] * 4 for i in range(spec.n)
-        ],
-    )
+
+    def prompt_ids(spec, tokenizer, seed=0, max_prompt_tokens=None, exclude=()):
+        base = 100 if spec.half == "calib" else 20  # the calib half holds other items
+        return [[base + i, base + 1 + i, base + 2 + i] * 4 for i in range(spec.n)]
+
+    monkeypatch.setattr(prompts_module, "load_prompt_ids", prompt_ids)
     runs = []
     real_run = stage.run_acceptance
 
@@ -185,6 +184,7 @@ def test_the_k_to_serve_is_chosen_on_calibration_prompts_and_measured_in_the_rep
     (calibration, cal_methods), (reported, methods) = runs  # two runs: no second baseline anywhere
     assert cal_methods == ["eagle3-chain"] and len(calibration["a"]) == 2 and len(reported["a"]) == 3
     assert not {tuple(p) for p in calibration["a"]} & {tuple(p) for p in reported["a"]}
+    assert all(p[0] >= 100 for p in calibration["a"])  # drawn from the source's calib half
     assert methods == ["eagle3-chain", "eagle3-chain-k2", "prompt-lookup", "none"]
     rec = res.chain_length
     assert rec.best_k == 2 and rec.chosen_on == {"a": 2}
@@ -202,3 +202,29 @@ def test_the_k_to_serve_is_chosen_on_calibration_prompts_and_measured_in_the_rep
     }
     text = res.report.read_text()
     assert "## Paired comparisons" in text and "τ [95%]" in text
+
+
+def test_a_calibration_prompt_that_is_also_reported_is_dropped(monkeypatch):
+    """A set reported from its whole source (no half) can draw, from its calib half, a prompt it also reports: the
+    calibration split leaves it out, and a set that reports its calib half gets no calibration split at all."""
+    import eyas.eval.prompts as prompts_module
+
+    def prompt_ids(spec, tokenizer, seed=0, max_prompt_tokens=None, exclude=()):
+        first = (
+            2 if spec.half == "calib" else 0
+        )  # calib half: prompts 2, 3, 4, ...; whole source: 0, 1, 2, ...
+        return [[first + i] * 5 for i in range(spec.n)]
+
+    monkeypatch.setattr(prompts_module, "load_prompt_ids", prompt_ids)
+    ecfg = EvalStageConfig(
+        prompt_sets=[
+            {"name": "a", "source": "x", "n": 3},
+            {"name": "b", "source": "x", "n": 2, "half": "calib"},
+        ],
+        calibration_prompts=3,
+    )
+    split = stage.split_prompts(ecfg, tokenizer=None)
+    assert [p[0] for p in split.reported["a"][1]] == [0, 1, 2]
+    spec, cal = split.calibration["a"]
+    assert [p[0] for p in cal] == [3, 4] and spec.half == "calib" and spec.name == "calib_a"
+    assert "b" not in split.calibration
