@@ -480,7 +480,7 @@ def served_model_name(url: str, expected: str | None = None, timeout_s: float = 
         return expected
     if len(listed) != 1:
         raise EngineError(
-            f"{url}/v1/models lists {listed or 'no model'}: name the one to measure (eval.server_model=<name>)"
+            f"{url}/v1/models lists {listed or 'no model'}: name the one to use (an evaluation: eval.server_model=<name>)"
         )
     return listed[0]
 
