@@ -73,7 +73,8 @@ example-smoke: venv vllm
 	SMOKE=1 bash examples/qwen3_8b.sh
 	SMOKE=1 bash examples/deepseek_v3.sh
 
-# The benchmark budget (regeneration, a larger store, training, eval, the train/extract benches); writes BENCH.md.
+# The benchmark budget (regeneration, a larger store, training, eval, the train/extract benches); writes
+# runs/bench/BENCH.generated.md (BENCH.md is hand-written and never replaced).
 bench: venv
 	$(BIN)/python -m eyas.lab.bench threads=2
 

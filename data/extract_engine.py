@@ -58,11 +58,10 @@ from eyas.data.types import Sample
 from eyas.serving.engine_process import (
     REPO_ROOT,
     EngineError,
-    EngineServer,
     EngineServerConfig,
     engine_env,
     engine_python,
-    free_port,
+    launch,
     post_json,
     served_model_name,
     vllm_server_command,
@@ -559,31 +558,28 @@ def engine_target(
     states_dir = Path(out_dir) / ENGINE_STATES_DIR
     shutil.rmtree(states_dir, ignore_errors=True)  # a killed job's files: their shards are redone anyway
     states_dir.mkdir(parents=True, exist_ok=True)
-    port = server_cfg.port or free_port(server_cfg.host)
     target_dir, _ = model_source(target_cfg)
     env = engine_env("vllm", server_cfg, cuda, extract_cfg.threads)
     if not cuda:
         pp = [str(PLUGINS_DIR), env.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in pp if p)
-    cmd = vllm_extract_command(
-        python,
-        target_dir,
-        target.layer_ids,
-        str(states_dir.resolve()),
-        port,
+    server = launch(
+        lambda port: vllm_extract_command(
+            python,
+            target_dir,
+            target.layer_ids,
+            str(states_dir.resolve()),
+            port,
+            server_cfg,
+            extract_cfg.concurrency,
+            cuda,
+        ),
         server_cfg,
-        extract_cfg.concurrency,
-        cuda,
-    )
-    server = EngineServer(
-        cmd,
-        f"http://{server_cfg.host}:{port}",
         log_path or Path(out_dir) / ENGINE_STATES_DIR / "server.log",
         env=env,
-        stop_grace_s=server_cfg.stop_grace_s,
+        model=SERVED_NAME,
     )
     with server:
-        server.wait_ready(server_cfg.startup_timeout_s)
         target.client = HiddenStatesClient(
             server.url,
             states_dir,

@@ -3,12 +3,23 @@
 Design decisions:
 - All methods (EAGLE-3 chain, EAGLE-3 tree, prompt lookup, none) run through the same
   :func:`serving.loop.generate`, so they differ only in the proposer.
-- Methods are interleaved per prompt (prompt 1 with every method, then prompt 2 ...), so a machine that gets
-  busier during the run slows every method alike and the speedups stay fair.
+- Methods are interleaved per prompt (prompt 1 with every method, then prompt 2 ...), the baseline among them,
+  so a machine that gets busier during the run slows every method alike and the speedups stay fair; the order
+  of the methods rotates from prompt to prompt, so none of them always runs first (after the previous prompt's
+  last method) or last. Every speedup comes from this one run: a method added to an evaluation (the K to serve)
+  is a method of the run, never a second run with a baseline of its own.
 - τ counts the bonus token: tokens emitted per verify step. Speedup is end-to-end tokens/s (prefill included)
   over plain decoding ("none") on the same prompts in the same run.
-- Under greedy decoding every method must emit exactly what plain decoding emits; the run records the fraction
-  of prompts where it did (``match_rate``), so a numerics problem shows up in the report instead of hiding.
+- A fair baseline: plain decoding (``none``) may decode with a ``baseline`` target of its own, its fastest
+  numerics (bf16 with stock ``sdpa`` attention on CPU), while the speculative methods keep the numerics their
+  lossless check needs (row-exact attention). Plain decoding on the speculative methods' numerics then runs
+  too, as :data:`REFERENCE`: the greedy output every method must reproduce, reported but never the baseline.
+- Under greedy decoding every method must emit exactly what plain decoding emits (on the same numerics); the
+  run records the fraction of prompts where it did (``match_rate``), so a numerics problem shows up in the
+  report instead of hiding.
+- Every τ, tokens/s and speedup carries a 95% interval, a bootstrap over the set's prompts (:mod:`eval.intervals`;
+  a speedup is paired with the baseline on the same prompts); each prompt's counts are kept (``per_prompt``) so
+  that two methods or two drafters can be compared paired on the same prompts.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
+from eyas.eval.intervals import Interval, paired_ratio, paired_ratio_difference, ratio_interval
 from eyas.serving.loop import GenerationResult, generate
 from eyas.serving.models.drafter import Eagle3Drafter
 from eyas.serving.models.target import Target
@@ -39,6 +51,12 @@ log = logging.getLogger(__name__)
 MethodKind = Literal["eagle3", "prompt-lookup", "none"]
 IN_DISTRIBUTION_SUFFIX = "_in_dist"
 """Name suffix of a prompt set drawn from the training distribution (``PromptSetSpec.in_distribution``)."""
+BASELINE = "none"
+"""The method every speedup is over: plain decoding, on the baseline target when one is given."""
+REFERENCE = "none-ref"
+"""Plain decoding on the speculative methods' numerics, run beside a baseline that decodes on other numerics:
+the greedy output the speculative methods must reproduce (``match_rate``); its tokens/s is reported, never used
+as the baseline."""
 
 
 @dataclass
@@ -129,6 +147,20 @@ def make_proposer(spec: MethodSpec, drafter: Eagle3Drafter | None) -> Proposer:
 
 
 @dataclass
+class PromptRecord:
+    """One prompt under one method: what the intervals resample."""
+
+    tokens: int
+    """Tokens output (the first one, from prefill, included)."""
+    emitted: int
+    """Tokens emitted by verify steps (τ's numerator)."""
+    steps: int
+    """Verify steps (τ's denominator)."""
+    seconds: float
+    """End to end, prefill included (tokens/s's denominator)."""
+
+
+@dataclass
 class SetMethodResult:
     """Aggregate of one prompt set under one method."""
 
@@ -155,6 +187,14 @@ class SetMethodResult:
     """(context_len, draft_s, verify_s, accepted, drafted) of every step, for plots and the throughput model."""
     prompt_steps: list[int] = field(default_factory=list, repr=False)
     """Steps of each prompt, in order: which of ``step_records`` belong to which prompt (intervals over prompts)."""
+    per_prompt: list[PromptRecord] = field(default_factory=list, repr=False)
+    """Each prompt's counts, in the set's prompt order (the same order under every method of a run)."""
+    tau_ci: Interval | None = None
+    """95% interval of ``tau`` (bootstrap over the set's prompts)."""
+    tokens_per_s_ci: Interval | None = None
+    """95% interval of ``tokens_per_s``."""
+    speedup_ci: Interval | None = None
+    """95% interval of ``speedup``, paired with the baseline on the same prompts."""
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -165,6 +205,36 @@ class SetMethodResult:
 
 
 @dataclass
+class PairedComparison:
+    """Two methods on the same prompts of one set (the same run): their differences, with paired 95% intervals."""
+
+    prompt_set: str
+    method: str
+    against: str
+    delta_tau: Interval
+    """τ(method) - τ(against)."""
+    speed_ratio: Interval
+    """tokens/s(method) ÷ tokens/s(against)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare(a: SetMethodResult, b: SetMethodResult) -> PairedComparison:
+    """``a`` against ``b``, paired prompt by prompt (both must come from the same prompts, in the same order)."""
+    pa, pb = a.per_prompt, b.per_prompt
+    if a.prompt_set != b.prompt_set or len(pa) != len(pb):
+        raise ValueError(f"{a.method} and {b.method} were not measured on the same prompts of one set")
+    delta = paired_ratio_difference(
+        [p.emitted for p in pa], [p.steps for p in pa], [p.emitted for p in pb], [p.steps for p in pb]
+    )
+    ratio = paired_ratio(
+        [p.tokens for p in pa], [p.seconds for p in pa], [p.tokens for p in pb], [p.seconds for p in pb]
+    )
+    return PairedComparison(a.prompt_set, a.method, b.method, delta, ratio)
+
+
+@dataclass
 class AcceptanceResult:
     results: list[SetMethodResult]
     sampling: dict[str, Any]
@@ -172,8 +242,25 @@ class AcceptanceResult:
     def get(self, prompt_set: str, method: str) -> SetMethodResult | None:
         return next((r for r in self.results if r.prompt_set == prompt_set and r.method == method), None)
 
+    def comparisons(self) -> list[PairedComparison]:
+        """Per set: every EAGLE-3 method against prompt lookup (does the drafter beat a drafter-free method?), and
+        a chain at another K against the chain at the evaluated K."""
+        out = []
+        for r in self.results:
+            if not r.method.startswith("eagle3") or not r.per_prompt:
+                continue
+            against = ["prompt-lookup"] + (["eagle3-chain"] if r.method.startswith("eagle3-chain-k") else [])
+            for b in (self.get(r.prompt_set, m) for m in against):
+                if b is not None and b.per_prompt:
+                    out.append(compare(r, b))
+        return out
+
     def to_dict(self) -> dict[str, Any]:
-        return {"sampling": self.sampling, "results": [r.to_dict() for r in self.results]}
+        return {
+            "sampling": self.sampling,
+            "results": [r.to_dict() for r in self.results],
+            "comparisons": [c.to_dict() for c in self.comparisons()],
+        }
 
 
 def aggregate(prompt_set: str, method: str, label: str, runs: list[GenerationResult]) -> SetMethodResult:
@@ -187,6 +274,10 @@ def aggregate(prompt_set: str, method: str, label: str, runs: list[GenerationRes
     total_s = sum(r.total_s for r in runs)
     decode_s = sum(r.decode_s for r in runs)
     n = max(len(steps), 1)
+    per_prompt = [
+        PromptRecord(len(r.tokens), sum(s.num_emitted for s in r.steps), len(r.steps), r.total_s)
+        for r in runs
+    ]
     return SetMethodResult(
         prompt_set=prompt_set,
         method=method,
@@ -204,7 +295,47 @@ def aggregate(prompt_set: str, method: str, label: str, runs: list[GenerationRes
         mean_ttft_ms=1e3 * sum(r.prefill_s for r in runs) / max(len(runs), 1),
         step_records=[(s.context_len, s.draft_s, s.verify_s, s.num_accepted, s.num_drafted) for s in steps],
         prompt_steps=[len(r.steps) for r in runs],
+        per_prompt=per_prompt,
+        tau_ci=ratio_interval([p.emitted for p in per_prompt], [p.steps for p in per_prompt]),
+        tokens_per_s_ci=ratio_interval([p.tokens for p in per_prompt], [p.seconds for p in per_prompt]),
     )
+
+
+def speedup_interval(method: SetMethodResult, base: SetMethodResult) -> Interval:
+    """tokens/s of ``method`` over ``base``'s, paired on the same prompts (the same run, the same order)."""
+    a, b = method.per_prompt, base.per_prompt
+    return paired_ratio(
+        [p.tokens for p in a], [p.seconds for p in a], [p.tokens for p in b], [p.seconds for p in b]
+    )
+
+
+@dataclass
+class RunPlan:
+    """What one acceptance run decodes: its methods and the target each decodes with."""
+
+    methods: list[MethodSpec]
+    targets: dict[str, Target]
+    """Method name -> the target it decodes with."""
+
+
+def plan_run(methods: list[MethodSpec], target: Target, baseline: Target | None, greedy: bool) -> RunPlan:
+    """``methods`` on ``target``, except plain decoding on ``baseline`` (when given and another target); then,
+    under greedy decoding, plain decoding on ``target`` as well (:data:`REFERENCE`), the output to match."""
+    targets = {m.name: target for m in methods}
+    if baseline is None or baseline is target or BASELINE not in targets:
+        return RunPlan(list(methods), targets)
+    targets[BASELINE] = baseline
+    if not greedy:  # sampled outputs are compared in distribution, not token for token: no reference
+        return RunPlan(list(methods), targets)
+    targets[REFERENCE] = target
+    return RunPlan([*methods, MethodSpec(REFERENCE, "none", "chain", 1)], targets)
+
+
+def method_order(methods: list[MethodSpec], prompt_index: int) -> list[MethodSpec]:
+    """The order prompt number ``prompt_index`` (counted over the whole run) runs the methods in: rotated by one
+    per prompt, so no method always runs first or last."""
+    k = prompt_index % len(methods)
+    return methods[k:] + methods[:k]
 
 
 def run_acceptance(
@@ -214,52 +345,72 @@ def run_acceptance(
     methods: list[MethodSpec],
     sampling: SamplingConfig | None = None,
     warmup: bool = True,
+    baseline: Target | None = None,
 ) -> AcceptanceResult:
     """Generate every prompt of every set with every method; see the module docstring.
 
-    prompt_sets: name -> (spec, token-id prompts).
+    prompt_sets: name -> (spec, token-id prompts). baseline: the target plain decoding (``none``) is timed on
+    (None: ``target``).
     """
     sampling = sampling or SamplingConfig()
     if not prompt_sets or not any(p for _, p in prompt_sets.values()):
         raise ValueError("no evaluation prompts: give at least one non-empty prompt set")
     if not methods:
         raise ValueError("no drafting methods to evaluate")
-    proposers = {m.name: make_proposer(m, drafter) for m in methods}
-    modes = {m.name: m.mode for m in methods}
+    plan = plan_run(methods, target, baseline, sampling.greedy)
+    proposers = {m.name: make_proposer(m, drafter) for m in plan.methods}
     first = next(p for _, p in prompt_sets.values() if p)[0]
-    for name in proposers:  # fail on a mismatched drafter before the long run, and warm every path up
-        proposers[name].reset(torch.as_tensor(first), target=target.info, max_len=len(first) + 8)
+    for m in plan.methods:  # fail on a mismatched drafter before the long run, and warm every path up
+        on = plan.targets[m.name]
+        proposers[m.name].reset(torch.as_tensor(first), target=on.info, max_len=len(first) + 8)
         if warmup:
-            generate(target, proposers[name], first, 8, sampling, mode=modes[name])
+            generate(on, proposers[m.name], first, 8, sampling, mode=m.mode)
 
     results: list[SetMethodResult] = []
-    total = sum(len(p) for _, p in prompt_sets.values()) * len(methods)
+    total = sum(len(p) for _, p in prompt_sets.values()) * len(plan.methods)
     bar = tqdm(total=total, desc="acceptance", unit="gen")
+    index = 0
     for set_name, (spec, prompts) in prompt_sets.items():
-        runs: dict[str, list[GenerationResult]] = {m.name: [] for m in methods}
+        runs: dict[str, list[GenerationResult]] = {m.name: [] for m in plan.methods}
         for prompt in prompts:
-            for m in methods:
+            for m in method_order(plan.methods, index):
+                on = plan.targets[m.name]
                 runs[m.name].append(
-                    generate(target, proposers[m.name], prompt, spec.max_new_tokens, sampling, mode=m.mode)
+                    generate(on, proposers[m.name], prompt, spec.max_new_tokens, sampling, mode=m.mode)
                 )
                 bar.update()
-        set_results = [aggregate(set_name, m.name, spec.label, runs[m.name]) for m in methods]
-        base = next((r for r in set_results if r.method == "none"), None)
-        for r in set_results:
-            if base is not None and base.tokens_per_s > 0:
-                r.speedup = r.tokens_per_s / base.tokens_per_s
-            if base is not None and sampling.greedy:
-                same = [a.tokens == b.tokens for a, b in zip(runs[r.method], runs["none"])]
-                r.match_rate = sum(same) / len(same)
-            log.info(
-                "%s / %s: tau %.2f, %.1f tok/s (x%.2f), match %.2f",
-                set_name,
-                r.method,
-                r.tau,
-                r.tokens_per_s,
-                r.speedup,
-                r.match_rate,
-            )
-        results.extend(set_results)
+            index += 1
+        results.extend(set_results(set_name, spec.label, plan.methods, runs, sampling.greedy))
     bar.close()
     return AcceptanceResult(results=results, sampling=asdict(sampling))
+
+
+def set_results(
+    set_name: str,
+    label: str,
+    methods: list[MethodSpec],
+    runs: dict[str, list[GenerationResult]],
+    greedy: bool,
+) -> list[SetMethodResult]:
+    """Each method's aggregate over one set, with its speedup over the baseline (paired on the same prompts)
+    and, greedy, its match with the reference output (:data:`REFERENCE` where it ran, else the baseline's)."""
+    out = [aggregate(set_name, m.name, label, runs[m.name]) for m in methods]
+    base = next((r for r in out if r.method == BASELINE), None)
+    ref = REFERENCE if REFERENCE in runs else BASELINE
+    for r in out:
+        if base is not None and base.tokens_per_s > 0:
+            r.speedup = r.tokens_per_s / base.tokens_per_s
+            r.speedup_ci = speedup_interval(r, base)
+        if greedy and ref in runs:
+            same = [a.tokens == b.tokens for a, b in zip(runs[r.method], runs[ref])]
+            r.match_rate = sum(same) / len(same)
+        log.info(
+            "%s / %s: tau %.2f, %.1f tok/s (x%.2f), match %.2f",
+            set_name,
+            r.method,
+            r.tau,
+            r.tokens_per_s,
+            r.speedup,
+            r.match_rate,
+        )
+    return out

@@ -11,12 +11,21 @@ Design decisions:
   extraction through the engine; this module is the client and the measurement. Nothing imports vLLM or SGLang.
 - Prompts go in as token ids (the target's chat template already applied by :func:`eval.prompts.load_prompt_ids`),
   so the engine and the bundled loop verify the very same sequences; no second chat template in the way.
-- vLLM: τ of a set comes from the spec-decode counters of ``/metrics`` read before and after the set
+- τ counts what the bundled loop counts: tokens emitted per verify step, the bonus token included and the first
+  token (the prefill's) not. vLLM: from the spec-decode counters of ``/metrics`` read around every prompt
   (``1 + Δaccepted / Δdrafts``; acceptance at position i is ``Δaccepted_per_pos[i] / Δdrafts``), read until
   they stop moving, since the engine publishes stats asynchronously. SGLang: from each response's
-  ``meta_info`` (``completion_tokens / spec_verify_ct``), since its metrics hold only a rolling average.
+  ``meta_info``, since its metrics hold only a rolling average: ``(completion_tokens - 1) / spec_verify_ct``
+  (its completion tokens include the prefill's token, which no verify step emitted).
+- Per-prompt counts, so τ and tokens/s carry 95% intervals over prompts (:mod:`eval.intervals`), as the bundled
+  loop's do.
 - Requests are streamed: time to first token is the first streamed chunk, tokens/s is completion tokens over the
   whole request (prefill included, as the bundled loop's tokens/s).
+- Requests name the model eyas launched the server with (or, at a ``server_url``, the one named or the server's
+  only one), never the first ``/v1/models`` happens to list.
+- The agreement check (:func:`check_agreement`) can fail: the engine's τ must be within 5% of the bundled loop's
+  and its acceptance per position within 0.05, and a drafter too weak to tell a broken export from a working one
+  (bundled τ below 1.8: a broken export serves τ ≈ 1.0) gives "inconclusive", never a pass.
 """
 
 from __future__ import annotations
@@ -26,8 +35,12 @@ import math
 import re
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
+if TYPE_CHECKING:
+    from eyas.eval.acceptance import SetMethodResult
+
+from eyas.eval.intervals import Interval, ratio_interval
 from eyas.serving.engine_process import EngineError, http_get, post_stream, served_model_name
 
 log = logging.getLogger(__name__)
@@ -164,13 +177,15 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.engine = engine
         self.timeout_s = timeout_s
-        self._model = model
+        self._expected = model
+        self._model: str | None = None
 
     @property
     def model(self) -> str:
-        """The served model's name (the first of ``/v1/models`` unless given)."""
+        """The model requests go to: the one given (the name eyas launched the server with), once checked
+        against ``/v1/models``; else the server's only model (an error when it lists several)."""
         if self._model is None:
-            self._model = served_model_name(self.url)
+            self._model = served_model_name(self.url, self._expected)
         return self._model
 
     def metrics(self) -> str:
@@ -256,6 +271,20 @@ class EngineClient:
 
 
 @dataclass
+class EnginePromptRecord:
+    """One prompt through the engine: what the intervals resample."""
+
+    tokens: int
+    """Completion tokens (the first one, from prefill, included)."""
+    seconds: float
+    """Request wall time, prefill included."""
+    drafts: float
+    """Verify steps that carried a draft."""
+    accepted: float
+    """Draft tokens accepted."""
+
+
+@dataclass
 class EngineSetResult:
     """One prompt set through the engine."""
 
@@ -265,7 +294,7 @@ class EngineSetResult:
     tokens: int
     """Completion tokens over the set."""
     tau: float
-    """Tokens per verify step (accepted drafts + the bonus token)."""
+    """Tokens per verify step (accepted drafts + the bonus token; the prefill's token not counted)."""
     acceptance_by_position: list[float]
     tokens_per_s: float
     """Completion tokens over the summed request wall time (prefill included)."""
@@ -274,9 +303,22 @@ class EngineSetResult:
     """Verify steps with a draft (vLLM's counter, SGLang's ``spec_verify_ct``)."""
     accepted: float
     seconds: float
+    per_prompt: list[EnginePromptRecord] = field(default_factory=list)
+    """Each prompt's counts, in the set's prompt order."""
+    tau_ci: Interval | None = None
+    """95% interval of ``tau`` (bootstrap over the set's prompts)."""
+    tokens_per_s_ci: Interval | None = None
+    """95% interval of ``tokens_per_s``."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _sglang_record(c: Completion) -> EnginePromptRecord:
+    """A prompt's counts from SGLang's ``meta_info``: its completion tokens include the prefill's token, which no
+    verify step emitted, so ``completion_tokens - 1`` tokens came from ``spec_verify_ct`` steps."""
+    verify = float(int(c.meta.get("spec_verify_ct", 0)))
+    return EnginePromptRecord(c.tokens, c.total_s, verify, max(c.tokens - 1 - verify, 0.0))
 
 
 def measure_set(
@@ -287,46 +329,45 @@ def measure_set(
     temperature: float = 0.0,
     seed: int = 0,
 ) -> EngineSetResult:
-    """Every prompt of a set, one request at a time; τ from the counters' change over the set (vLLM) or from
-    the responses' verify counts (SGLang)."""
+    """Every prompt of a set, one request at a time; τ from the counters' change around each prompt (vLLM) or
+    from the responses' verify counts (SGLang)."""
     if not prompts:
         raise ValueError(f"prompt set {name}: no prompts")
-    before = client.settled_counters() if client.engine == "vllm" else None
-    done = [
-        client.complete(p, max_new_tokens, temperature, seed + i if temperature > 0 else None)
-        for i, p in enumerate(prompts)
-    ]
+    vllm = client.engine == "vllm"
+    first = before = client.settled_counters() if vllm else None
+    done, records = [], []
+    for i, p in enumerate(prompts):
+        c = client.complete(p, max_new_tokens, temperature, seed + i if temperature > 0 else None)
+        done.append(c)
+        if before is None:
+            records.append(_sglang_record(c))
+            continue
+        after = client.settled_counters()
+        delta = after - before
+        records.append(EnginePromptRecord(c.tokens, c.total_s, delta.drafts, delta.accepted))
+        before = after
+    drafts = sum(r.drafts for r in records)
+    accepted = sum(r.accepted for r in records)
+    if not vllm and not drafts:
+        raise EngineError("the SGLang server reports no spec_verify_ct: does it run speculative decoding?")
+    by_pos = (before - first).acceptance_by_position() if first is not None and before is not None else []
     tokens = sum(c.tokens for c in done)
     seconds = sum(c.total_s for c in done)
-    if before is not None:
-        delta = client.settled_counters() - before
-        tau, by_pos, drafts, accepted = (
-            delta.tau,
-            delta.acceptance_by_position(),
-            delta.drafts,
-            delta.accepted,
-        )
-    else:
-        drafts = float(sum(int(c.meta.get("spec_verify_ct", 0)) for c in done))
-        if not drafts:
-            raise EngineError(
-                "the SGLang server reports no spec_verify_ct: does it run speculative decoding?"
-            )
-        tau = tokens / drafts
-        accepted = tokens - drafts
-        by_pos = []
     return EngineSetResult(
         prompt_set=name,
         engine=client.engine,
         prompts=len(done),
         tokens=tokens,
-        tau=tau,
+        tau=1.0 + accepted / drafts if drafts else math.nan,
         acceptance_by_position=by_pos,
         tokens_per_s=tokens / seconds if seconds else 0.0,
         mean_ttft_ms=1e3 * sum(c.ttft_s for c in done) / len(done),
         drafts=drafts,
         accepted=accepted,
         seconds=seconds,
+        per_prompt=records,
+        tau_ci=ratio_interval([r.drafts + r.accepted for r in records], [r.drafts for r in records]),
+        tokens_per_s_ci=ratio_interval([r.tokens for r in records], [r.seconds for r in records]),
     )
 
 
@@ -352,3 +393,60 @@ def measure(
         )  # fmt: skip
         out.append(r)
     return out
+
+
+# ----------------------------------------------------------------------------------------- agreement check
+
+
+@dataclass
+class AgreementRule:
+    """When an engine serves the export as the bundled loop runs it (same prompts, same K, greedy)."""
+
+    tau_rtol: float = 0.05
+    """The engine's τ within this fraction of the bundled loop's (vLLM measured 1.87 against 1.85 on the demo's
+    export: 1%)."""
+    position_atol: float = 0.05
+    """Acceptance at every draft position within this (absolute) of the bundled loop's."""
+    min_bundled_tau: float = 1.8
+    """Below this bundled τ the check is inconclusive: an export served wrong runs at τ ≈ 1.0, which a drafter
+    at τ 1.1 cannot be told from."""
+
+
+@dataclass
+class Agreement:
+    """The verdict of :func:`check_agreement` on one prompt set."""
+
+    prompt_set: str
+    verdict: Literal["agree", "disagree", "inconclusive"]
+    reasons: list[str] = field(default_factory=list)
+    """Why it disagrees or is inconclusive (empty when it agrees)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_agreement(
+    engine: EngineSetResult, bundled: SetMethodResult, rule: AgreementRule | None = None
+) -> Agreement:
+    """Whether the engine serves the export as the bundled loop runs it (:class:`AgreementRule`)."""
+    rule = rule or AgreementRule()
+    reasons = []
+    if not bundled.tau >= rule.min_bundled_tau:
+        reasons.append(
+            f"bundled τ {bundled.tau:.2f} is below {rule.min_bundled_tau}: a broken export (τ ≈ 1) would not show"
+        )
+        return Agreement(engine.prompt_set, "inconclusive", reasons)
+    if not abs(engine.tau - bundled.tau) <= rule.tau_rtol * bundled.tau:
+        reasons.append(
+            f"τ {engine.tau:.3f} in {engine.engine} against {bundled.tau:.3f} bundled: more than "
+            f"{rule.tau_rtol:.0%} apart"
+        )
+    ea, ba = engine.acceptance_by_position, bundled.acceptance_by_position
+    if ea and len(ea) != len(ba):
+        reasons.append(
+            f"{engine.engine} drafts {len(ea)} positions, the bundled loop {len(ba)}: not the same K"
+        )
+    for i, (e, b) in enumerate(zip(ea, ba), start=1):
+        if not abs(e - b) <= rule.position_atol:
+            reasons.append(f"acceptance at position {i}: {e:.3f} in {engine.engine} against {b:.3f} bundled")
+    return Agreement(engine.prompt_set, "disagree" if reasons else "agree", reasons)

@@ -20,9 +20,11 @@ Design decisions:
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +92,11 @@ class StepProfile:
     bookkeeping_ms: dict[int, list[float]] = field(default_factory=dict)
     """Tokens per verify forward -> verification + cache keep time at each context length."""
     statistic: str = "median"
+    machine: dict[str, Any] = field(default_factory=dict)
+    """Where it was timed (:func:`machine_info`): a K chosen from this profile is this machine's."""
+    plain_numerics: str = ""
+    """When the one-token verify (``verify_ms[1]``, plain decoding's step) was timed on other numerics than the
+    rest (the evaluation's baseline target): which."""
 
     def draft_ms(self, i: int, k: int) -> float:
         """Drafter time of one chain step of K drafts at context index ``i``."""
@@ -112,6 +119,29 @@ class StepProfile:
         for key in ("verify_ms", "draft_rows_ms", "bookkeeping_ms"):
             d[key] = {str(k): v for k, v in getattr(self, key).items()}
         return d
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """Where a profile is timed: CPU model, torch's CPU threads, torch's version, and the GPU on CUDA."""
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
 
 
 def time_ms(fn, repeats: int, device: torch.device, statistic: str = "median") -> float:
@@ -152,7 +182,9 @@ def profile_steps(
         profiler.prepare(length)
         parts.append(profiler.sample(length))
         profiler.release(length)
-    return merge_profiles(parts)
+    prof = merge_profiles(parts)
+    prof.machine = machine_info(target.device)
+    return prof
 
 
 def merge_profiles(parts: list[StepProfile]) -> StepProfile:
@@ -172,6 +204,8 @@ def merge_profiles(parts: list[StepProfile]) -> StepProfile:
         draft_rows_ms=table("draft_rows_ms"),
         bookkeeping_ms=table("bookkeeping_ms"),
         statistic=parts[0].statistic,
+        machine=parts[0].machine,
+        plain_numerics=parts[0].plain_numerics,
     )
 
 

@@ -11,6 +11,9 @@ Design decisions:
 - Costs are the profile's, made monotone (``CostCurves.monotone``) as in ``diagnose``; K is never extrapolated
   past the measured chain length. Ties go to the shorter chain (less verify width, less to go wrong).
 - K = 0 (plain decoding is predicted fastest) is a valid answer and is reported as such, never rounded up.
+- Chosen on one split, reported on another: the evaluation runs the chain on calibration prompts disjoint from
+  the reported ones (``eval.calibration_prompts``) and records which (``chosen_on``); and the K is the profiled
+  machine's (``hardware``), which the export's ``serve`` entry repeats.
 """
 
 from __future__ import annotations
@@ -45,6 +48,23 @@ class ChainLengthRecommendation:
     mean_speedup: list[float]
     """Entry K: mean over sets of predicted tokens/s at K ÷ at K = 0."""
     sets: list[SetChainLength] = field(default_factory=list)
+    chosen_on: dict[str, int] = field(default_factory=dict)
+    """Prompt set -> the calibration prompts the K was chosen on (disjoint from the reported prompts; empty:
+    the acceptance it was given, whatever that was)."""
+    hardware: dict[str, Any] = field(default_factory=dict)
+    """Where the step profile that priced it was timed (``StepProfile.machine``)."""
+
+    def provenance(self) -> str:
+        """One line: which prompts chose the K and which machine's step costs priced it."""
+        split = (
+            "the calibration split ("
+            + ", ".join(f"{s}: {n} prompts" for s, n in self.chosen_on.items())
+            + ", none of them reported)"
+            if self.chosen_on
+            else "the acceptance it was given"
+        )
+        hw = ", ".join(f"{k} {v}" for k, v in self.hardware.items()) or "an unrecorded machine"
+        return f"chosen on {split}, priced with step times of {hw}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,8 +72,9 @@ class ChainLengthRecommendation:
     def markdown(self) -> str:
         ks = range(self.measured_k + 1)
         lines = [
-            f"Predicted from this run's acceptance per position and step profile ({self.method}; K = 0 is plain "
-            f"decoding). **Serve K = {self.best_k}** (measured at K = {self.measured_k}).",
+            f"Predicted from the acceptance per position and the step profile ({self.method}; K = 0 is plain "
+            f"decoding). **Serve K = {self.best_k}** (measured at K = {self.measured_k}); {self.provenance()}. "
+            "The K is this machine's: on other hardware, evaluate there.",
             "",
             "| set | best K | " + " | ".join(f"K={k}" for k in ks) + " |",
             "|---|---:|" + "---:|" * len(ks),
@@ -104,4 +125,6 @@ def recommend_chain_length(
     mean = [
         sum(s.tokens_per_s[k] / s.tokens_per_s[0] for s in sets) / len(sets) for k in range(measured_k + 1)
     ]
-    return ChainLengthRecommendation(method, measured_k, shortest_fastest(mean), mean, sets)
+    return ChainLengthRecommendation(
+        method, measured_k, shortest_fastest(mean), mean, sets, hardware=dict(prof.machine)
+    )

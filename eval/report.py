@@ -4,6 +4,8 @@ Design decisions:
 - Plots are what a person would rather look at than read: τ per prompt set and method, acceptance per draft
   position, step time against context length, tokens/s with the speedup over plain decoding.
 - Everything the plots show is also in ``results.json`` (the report never holds a number the JSON lacks).
+- Every τ, tokens/s and speedup is printed with its 95% interval over prompts (``1.85 [1.71, 1.98]``,
+  :mod:`eval.intervals`), and methods compared with each other are compared paired on the same prompts.
 - matplotlib's Agg backend: no display needed.
 """
 
@@ -20,8 +22,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from eyas.eval.acceptance import AcceptanceResult  # noqa: E402
-from eyas.eval.engine_eval import EngineSetResult  # noqa: E402
+from eyas.eval.acceptance import REFERENCE, AcceptanceResult, SetMethodResult  # noqa: E402
+from eyas.eval.engine_eval import AgreementRule, EngineSetResult, check_agreement  # noqa: E402
+from eyas.eval.intervals import Interval  # noqa: E402
 from eyas.eval.profile import StepProfile  # noqa: E402
 from eyas.eval.throughput import shortest_fastest  # noqa: E402
 
@@ -40,12 +43,18 @@ def _save(fig, ax, path: Path, xlabel: str | None, ylabel: str, title: str, lege
     return path
 
 
-def _grouped_bars(ax, sets: list[str], methods: list[str], value) -> None:
+def _grouped_bars(ax, sets: list[str], methods: list[str], value, interval=None) -> None:
+    """Bars of ``value(set, method)``, with error bars at ``interval(set, method)`` (an Interval or None)."""
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
         ys = [value(s, m) for s in sets]
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(sets))]
-        bars = ax.bar(xs, ys, width, label=m)
+        cis = [interval(s, m) if interval else None for s in sets]
+        err = [
+            [y - c.low if c is not None and c.defined else 0.0 for y, c in zip(ys, cis)],
+            [c.high - y if c is not None and c.defined else 0.0 for y, c in zip(ys, cis)],
+        ]
+        bars = ax.bar(xs, ys, width, label=m, yerr=err if interval else None, capsize=2)
         for b, y in zip(bars, ys):
             if y == y:  # not NaN
                 ax.annotate(
@@ -56,12 +65,18 @@ def _grouped_bars(ax, sets: list[str], methods: list[str], value) -> None:
 
 
 def _plot_per_set(acc: AcceptanceResult, path: Path, attr: str, ylabel: str, title: str) -> Path:
-    """Grouped bars of ``attr`` of every (prompt set, method) result."""
+    """Grouped bars of ``attr`` of every (prompt set, method) result, with its 95% interval (``<attr>_ci``)."""
     sets = list(dict.fromkeys(r.prompt_set for r in acc.results))
     methods = list(dict.fromkeys(r.method for r in acc.results))
     fig, ax = plt.subplots(figsize=(7, 4))
-    _grouped_bars(ax, sets, methods, lambda s, m: getattr(acc.get(s, m), attr, float("nan")))
-    return _save(fig, ax, path, None, ylabel, title, legend=None)
+    _grouped_bars(
+        ax,
+        sets,
+        methods,
+        lambda s, m: getattr(acc.get(s, m), attr, float("nan")),
+        lambda s, m: getattr(acc.get(s, m), f"{attr}_ci", None),
+    )
+    return _save(fig, ax, path, None, ylabel, f"{title} (bars: 95% interval over prompts)", legend=None)
 
 
 def plot_tau(acc: AcceptanceResult, path: Path) -> Path:
@@ -96,21 +111,33 @@ def plot_step_time(prof: StepProfile, path: Path, chain_length: int | None = Non
     return _save(fig, ax, path, "context length (tokens)", "ms", "Step time against context length")
 
 
+def _with_ci(value: float, ci: Interval | None, fmt: str, suffix: str = "") -> str:
+    """``value`` with its interval (``1.85 [1.71, 1.98]``); empty for NaN."""
+    if value != value:
+        return ""
+    if ci is not None and ci.defined:
+        return ci.format(fmt, suffix)
+    return f"{format(value, fmt)}{suffix}"
+
+
+def result_cells(r: SetMethodResult, times: str = "×") -> dict[str, str]:
+    """A result's τ, tokens/s and speedup cells, each with its 95% interval, and its greedy match."""
+    return {
+        "tau": _with_ci(r.tau, r.tau_ci, ".2f"),
+        "tokens_per_s": _with_ci(r.tokens_per_s, r.tokens_per_s_ci, ".1f"),
+        "speedup": _with_ci(r.speedup, r.speedup_ci, ".2f", times),
+        "match": "" if r.match_rate != r.match_rate else f"{r.match_rate:.0%}",
+    }
+
+
 def results_table(acc: AcceptanceResult, title: str = "eyas: acceptance and throughput") -> Table:
-    t = Table(title=title)
+    t = Table(title=title, caption="[..]: 95% interval over the set's prompts")
     for col in ("set", "method", "τ", "accept@1..", "tok/s", "speedup", "greedy match"):
         t.add_column(col, justify="right" if col not in ("set", "method") else "left")
     for r in acc.results:
         pos = " ".join(f"{a:.2f}" for a in r.acceptance_by_position[:6])
-        t.add_row(
-            r.prompt_set,
-            r.method,
-            f"{r.tau:.2f}",
-            pos,
-            f"{r.tokens_per_s:.1f}",
-            "" if r.speedup != r.speedup else f"{r.speedup:.2f}x",
-            "" if r.match_rate != r.match_rate else f"{r.match_rate:.0%}",
-        )
+        c = result_cells(r, "x")
+        t.add_row(r.prompt_set, r.method, c["tau"], pos, c["tokens_per_s"], c["speedup"], c["match"])
     return t
 
 
@@ -125,11 +152,13 @@ ENGINE_COLUMNS = (
     "tok/s bundled",
     "TTFT ms engine",
     "TTFT ms bundled",
+    "agreement",
 )
 
 
 def engine_rows(engine: list[EngineSetResult], acc: AcceptanceResult, method: str = "eagle3-chain") -> list:
-    """One row per prompt set: the engine's numbers beside the bundled loop's ``method`` on the same prompts."""
+    """One row per prompt set: the engine's numbers beside the bundled loop's ``method`` on the same prompts,
+    and the agreement verdict (:func:`eval.engine.check_agreement`)."""
 
     def f(x: float, fmt: str) -> str:
         return "" if x != x else format(x, fmt)
@@ -138,30 +167,44 @@ def engine_rows(engine: list[EngineSetResult], acc: AcceptanceResult, method: st
     for e in engine:
         b = acc.get(e.prompt_set, method)
         nan = float("nan")
+        verdict = check_agreement(e, b).verdict if b else ""
         rows.append(
             [
                 e.prompt_set,
                 e.engine,
-                f(e.tau, ".2f"),
-                f(b.tau if b else nan, ".2f"),
+                _with_ci(e.tau, e.tau_ci, ".2f"),
+                _with_ci(b.tau, b.tau_ci, ".2f") if b else "",
                 f(e.tau - b.tau if b else nan, "+.2f"),
                 " ".join(f"{a:.2f}" for a in e.acceptance_by_position[:8]),
-                f(e.tokens_per_s, ".1f"),
-                f(b.tokens_per_s if b else nan, ".1f"),
+                _with_ci(e.tokens_per_s, e.tokens_per_s_ci, ".1f"),
+                _with_ci(b.tokens_per_s, b.tokens_per_s_ci, ".1f") if b else "",
                 f(e.mean_ttft_ms, ".0f"),
                 f(b.mean_ttft_ms if b else nan, ".0f"),
+                verdict,
             ]
         )
     return rows
 
 
+def engine_agreements(engine: list[EngineSetResult], acc: AcceptanceResult) -> list[dict[str, Any]]:
+    """The agreement verdict and its reasons per set (for ``results.json``)."""
+    out = []
+    for e in engine:
+        b = acc.get(e.prompt_set, "eagle3-chain")
+        if b is not None:
+            out.append(check_agreement(e, b).to_dict())
+    return out
+
+
 def print_engine_table(engine: list[EngineSetResult], acc: AcceptanceResult) -> None:
     t = Table(title="serving engine against the bundled loop (eagle3-chain), same prompts")
     for col in ENGINE_COLUMNS:
-        t.add_column(col, justify="left" if col in ("set", "engine", "accept@1.. engine") else "right")
+        t.add_column(
+            col, justify="left" if col in ("set", "engine", "accept@1.. engine", "agreement") else "right"
+        )
     for row in engine_rows(engine, acc):
         t.add_row(*row)
-    Console(width=max(140, Console().width)).print(t)
+    Console(width=max(160, Console().width)).print(t)
 
 
 def engine_markdown_table(engine: list[EngineSetResult], acc: AcceptanceResult) -> str:
@@ -170,21 +213,34 @@ def engine_markdown_table(engine: list[EngineSetResult], acc: AcceptanceResult) 
     return "\n".join(lines)
 
 
+_RULE = AgreementRule()
 ENGINE_NOTE = (
-    "τ engine: tokens per verify step inside the engine (vLLM: 1 + Δaccepted / Δdrafts of its /metrics counters "
-    "over the set; SGLang: completion tokens / spec_verify_ct). accept@i: share of drafts whose first i tokens "
-    "were accepted. tok/s: completion tokens over request wall time, one request at a time, prefill included; "
-    "TTFT: first streamed token (bundled: prefill and the first token's choice)."
+    "τ engine: tokens per verify step inside the engine, the prefill's token not counted, as in the bundled loop "
+    "(vLLM: 1 + Δaccepted / Δdrafts of its /metrics counters around each prompt; SGLang: (completion tokens - 1) "
+    "/ spec_verify_ct). accept@i: share of drafts whose first i tokens were accepted. tok/s: completion tokens "
+    "over request wall time, one request at a time, prefill included; TTFT: first streamed token (bundled: "
+    "prefill and the first token's choice). [..]: 95% interval over the set's prompts. agreement: the engine's "
+    f"τ within {_RULE.tau_rtol:.0%} of the bundled loop's and its acceptance at every position within "
+    f"{_RULE.position_atol}; inconclusive where the bundled τ is below {_RULE.min_bundled_tau} (an export served "
+    "wrong runs at τ ≈ 1, which so weak a drafter cannot be told from)."
 )
 
 GREEDY_MATCH_NOTE = (
-    "greedy match = share of prompts whose output is token for token the plain-decoding (`none`) output. With "
-    "row-exact attention (the CPU default: bf16, see the numerics line under Run facts) every chain, prompt lookup "
-    "and plain decoding score each position bit for bit as a one-token forward does, so their match must be 100% "
-    "and a miss is a bug; a tree's side branches sit at other cache slots, so at a near-tie their rows can round "
-    "differently. fp32 is near-exact (differences ~1e-5 in the logits). In bf16 with stock attention (GPU), a "
-    "verify forward over several tokens rounds differently from a one-token forward, so at a near-tie the target's "
-    "own argmax can flip and the text take another (equally greedy) path."
+    f"greedy match = share of prompts whose output is token for token plain decoding's on the same numerics "
+    f"(`{REFERENCE}` where plain decoding, `none`, is timed on faster numerics than the speculative methods, else "
+    "`none`). With row-exact attention (the CPU default: bf16, see the numerics line under Run facts) every chain, "
+    "prompt lookup and plain decoding score each position bit for bit as a one-token forward does, so their match "
+    "must be 100% and a miss is a bug; a tree's side branches sit at other cache slots, so at a near-tie their rows "
+    "can round differently. fp32 is near-exact (differences ~1e-5 in the logits). In bf16 with stock attention "
+    "(GPU, and `none` when it is timed on sdpa), a verify forward over several tokens rounds differently from a "
+    "one-token forward, so at a near-tie the target's own argmax can flip and the text take another (equally "
+    "greedy) path: `none`'s own match against the reference says how often."
+)
+
+SPEEDUP_NOTE = (
+    "speedup = end-to-end tokens/s over plain decoding (`none`) on the same prompts, every method interleaved "
+    "prompt by prompt in one run; plain decoding is timed on its own fastest numerics (see Run facts). [..]: "
+    "95% interval over the set's prompts (bootstrap; a speedup's is paired with plain decoding on the same prompts)."
 )
 
 
@@ -194,16 +250,38 @@ def print_table(acc: AcceptanceResult, title: str = "eyas: acceptance and throug
 
 def markdown_table(acc: AcceptanceResult) -> str:
     lines = [
-        "| set | method | τ | acceptance per position | tokens/s | speedup | greedy match |",
+        "| set | method | τ [95%] | acceptance per position | tokens/s [95%] | speedup [95%] | greedy match |",
         "|---|---|---:|---|---:|---:|---:|",
     ]
     for r in acc.results:
         pos = " ".join(f"{a:.2f}" for a in r.acceptance_by_position)
-        sp = "" if r.speedup != r.speedup else f"{r.speedup:.2f}×"
-        mr = "" if r.match_rate != r.match_rate else f"{r.match_rate:.0%}"
+        c = result_cells(r)
         lines.append(
-            f"| {r.prompt_set} | {r.method} | {r.tau:.2f} | {pos} | {r.tokens_per_s:.1f} | {sp} | {mr} |"
+            f"| {r.prompt_set} | {r.method} | {c['tau']} | {pos} | {c['tokens_per_s']} | {c['speedup']} | "
+            f"{c['match']} |"
         )
+    return "\n".join(lines)
+
+
+def comparison_table(acc: AcceptanceResult) -> str:
+    """Methods compared paired on the same prompts (:meth:`AcceptanceResult.comparisons`); empty if none."""
+    rows = acc.comparisons()
+    if not rows:
+        return ""
+    lines = [
+        "| set | method | against | Δτ [95%] | tokens/s ratio [95%] |",
+        "|---|---|---|---:|---:|",
+    ]
+    for c in rows:
+        lines.append(
+            f"| {c.prompt_set} | {c.method} | {c.against} | {c.delta_tau.format('+.2f')} | "
+            f"{c.speed_ratio.format('.2f', '×')} |"
+        )
+    lines += [
+        "",
+        "Paired on the same prompts of the same run: a Δτ interval that excludes 0, or a ratio interval that "
+        "excludes 1, is a difference these prompts resolve; one that holds it is not.",
+    ]
     return "\n".join(lines)
 
 
@@ -239,6 +317,7 @@ def write_report(
         data["profile"] = prof.to_dict()
     if engine is not None:
         data["engine"] = [e.to_dict() for e in engine]
+        data["engine_agreement"] = engine_agreements(engine, acc)
     if extra:
         data.update(extra)
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, default=float))
@@ -246,7 +325,10 @@ def write_report(
     if command:
         md += ["Reproduce with:", "", f"    {command}", ""]
     if acc.results:
-        md += [markdown_table(acc), "", GREEDY_MATCH_NOTE, ""]
+        md += [markdown_table(acc), "", SPEEDUP_NOTE, "", GREEDY_MATCH_NOTE, ""]
+        paired = comparison_table(acc)
+        if paired:
+            md += ["## Paired comparisons", "", paired, ""]
     for name, text in (sections or {}).items():
         md += [f"## {name}", "", text, ""]
     if engine is not None:
@@ -275,6 +357,14 @@ def write_report(
                 row.append(f"{prof.draft_step_ms[i]:.2f}")
             md.append(f"| {length} | " + " | ".join(row) + " |")
         md.append("")
+        if prof.plain_numerics:
+            md += [
+                f"verify 1 (plain decoding's step, the K = 0 price) timed on {prof.plain_numerics}, the baseline's "
+                "numerics; every other column on the speculative methods'.",
+                "",
+            ]
+        if prof.machine:
+            md += ["Timed on " + ", ".join(f"{k} {v}" for k, v in prof.machine.items()) + ".", ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(md))
     return path

@@ -246,10 +246,18 @@ def stage_eval(
 
     job = EvalJob(eval=replace(ecfg, export_dir=str(export_dir)), work_dir=str(work_dir))
     res = run_eval(job, target, extra, command, title="eyas: the whole pipeline on one config")
-    if res.chain_length is not None:  # the export is served at the K this evaluation measured fastest
+    if res.chain_length is not None:  # the export is served at the K this evaluation predicts fastest
         from eyas.serving.export import print_serving, record_serving
 
-        print_serving(record_serving(export_dir, res.chain_length.best_k, f"eval report {res.report}"))
+        rec = res.chain_length
+        serve = record_serving(
+            export_dir,
+            rec.best_k,
+            f"eval report {res.report}",
+            profiled_on=rec.hardware,
+            chosen_on={"split": "calibration", "prompts": rec.chosen_on},
+        )
+        print_serving(serve)
     return (
         res.acceptance,
         res.profile,

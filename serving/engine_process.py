@@ -12,8 +12,14 @@ Design decisions:
   the CPU build's required environment (``VLLM_TARGET_DEVICE=cpu``, ``VLLM_CPU_OMP_THREADS_BIND=nobind``, a KV
   cache size) under the user's ``env``.
 - A started server is stopped on every exit path: the context manager, an ``atexit`` hook and a SIGTERM handler
-  all call :meth:`EngineServer.stop` (SIGTERM to its process group, SIGKILL after a grace period). If it dies or
-  does not become ready in time, the error quotes the tail of its log (and the first error lines before it).
+  all call :meth:`EngineServer.stop` (SIGTERM to its process group, SIGKILL after a grace period), once: a second
+  call does nothing, since the group's id may by then belong to another process. If it dies or does not become
+  ready in time, the error quotes the tail of its log (and the first error lines before it).
+- A server answering ``/health`` is taken only if it is the one eyas started: nothing may answer on the port
+  before the launch, our process must still be alive once it answers, and ``/v1/models`` must list the model
+  name eyas gave it (:func:`engine_server` makes one per launch, so no other server can carry it). A free port
+  can be taken by another process between :func:`free_port` and the server's own bind: :func:`launch` then
+  starts the server again on another port.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -32,7 +39,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +58,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 class EngineError(RuntimeError):
     """The engine server could not be started, died, or answered something unusable."""
+
+
+class PortTaken(EngineError):
+    """Another process holds the server's port (it answered there before ours, or ours could not bind it)."""
 
 
 class EngineSetupError(EngineError, ConfigError):
@@ -72,12 +83,12 @@ def check_server_url(url: str, key: str) -> None:
         raise EngineSetupError(f"{key}={url!r} is not a server address: give http://host:port")
 
 
-def check_server_answers(url: str, key: str, timeout_s: float = 10.0) -> str:
-    """The model a server at ``url`` lists under ``/v1/models``, or :class:`EngineSetupError` naming ``key`` when
+def check_server_answers(url: str, key: str, timeout_s: float = 10.0) -> list[str]:
+    """The models a server at ``url`` lists under ``/v1/models``, or :class:`EngineSetupError` naming ``key`` when
     nothing answers there: a dead address is found before the work, not after it."""
     check_server_url(url, key)
     try:
-        return served_model_name(url, timeout_s)
+        return served_models(url, timeout_s)
     except (EngineError, ValueError, OSError) as e:
         raise EngineSetupError(
             f"{key}={url}: no engine server answers there ({e}); start it or fix the URL"
@@ -120,12 +131,14 @@ class EngineServerConfig:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now; another process may take it before the server binds it (:func:`launch` retries)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 _ERROR_LINE = re.compile(r"\b\w*(Error|Exception): ")
+_ADDRESS_IN_USE = re.compile(r"address already in use|errno 98\b|eaddrinuse", re.IGNORECASE)
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -151,16 +164,26 @@ class EngineServer:
         log_path: Path,
         env: dict[str, str] | None = None,
         stop_grace_s: float = 20.0,
+        model: str | None = None,
     ):
         self.command = [str(c) for c in command]
         self.url = url.rstrip("/")
         self.log_path = Path(log_path)
         self.env = env
         self.stop_grace_s = stop_grace_s
+        self.model = model
+        """The model name the command serves (``--served-model-name``): readiness needs ``/v1/models`` to list it."""
         self.proc: subprocess.Popen | None = None
+        self._stopped = False
         self._prev_sigterm: Any = None
 
     def start(self) -> EngineServer:
+        """Launch the command; :class:`PortTaken` (nothing launched) if a server already answers at the URL."""
+        if health_ok(self.url, timeout_s=2.0):
+            raise PortTaken(
+                f"{self.url}/health answers before the engine server was started: another server holds the port; "
+                "stop it or choose another (eval.server.port, or null for a free one)"
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting engine server: %s (log: %s)", " ".join(self.command), self.log_path)
         with open(self.log_path, "wb") as f:
@@ -182,18 +205,24 @@ class EngineServer:
         raise SystemExit(128 + signum)
 
     def wait_ready(self, timeout_s: float, poll_s: float = 0.5) -> None:
-        """Block until ``GET /health`` answers 200; :class:`EngineError` (quoting the log tail) if the process
-        exits first or ``timeout_s`` passes, in which case the server is stopped."""
+        """Block until ``GET /health`` answers 200 and the answer is this server's (our process alive, ``model``
+        listed by ``/v1/models``); :class:`EngineError` (quoting the log tail) if the process exits first or
+        ``timeout_s`` passes, in which case the server is stopped; :class:`PortTaken` if another process holds
+        the port."""
         assert self.proc is not None, "start() the server first"
         deadline = time.monotonic() + timeout_s
         while True:
-            code = self.proc.poll()
+            healthy = health_ok(self.url)
+            code = self.proc.poll()  # after the health check: a dead process never lends its port's answer
             if code is not None:
-                raise EngineError(
+                tail = log_tail(self.log_path)
+                kind = PortTaken if _ADDRESS_IN_USE.search(tail) else EngineError
+                raise kind(
                     f"the engine server exited with status {code} before it was ready.\n"
-                    f"command: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{log_tail(self.log_path)}"
+                    f"command: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{tail}"
                 )
-            if health_ok(self.url):
+            if healthy:
+                self._check_identity()
                 return
             if time.monotonic() > deadline:
                 self.stop()
@@ -204,14 +233,34 @@ class EngineServer:
                 )
             time.sleep(poll_s)
 
+    def _check_identity(self) -> None:
+        """:class:`PortTaken` unless the server answering at the URL lists ``model`` (the name eyas gave it)."""
+        if self.model is None:
+            return
+        try:
+            listed = served_models(self.url)
+        except (EngineError, ValueError, KeyError) as e:
+            listed, why = [], str(e)
+        else:
+            why = f"it lists {listed}"
+        if self.model not in listed:
+            raise PortTaken(
+                f"{self.url} answers /health but is not the engine server eyas started (no model {self.model!r} "
+                f"under /v1/models: {why}); another process holds port {self.url.rsplit(':', 1)[-1]}"
+            )
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after ``stop_grace_s``; safe to call repeatedly."""
+        """SIGTERM to the server's process group, SIGKILL after ``stop_grace_s``; the second and later calls do
+        nothing (the group's id may belong to another process by then)."""
         proc = self.proc
-        if proc is not None and proc.poll() is None:
+        if proc is None or self._stopped:
+            return
+        self._stopped = True
+        if proc.poll() is None:
             log.info("stopping engine server (pid %d)", proc.pid)
             for sig, wait in ((signal.SIGTERM, self.stop_grace_s), (signal.SIGKILL, 10.0)):
                 with contextlib.suppress(ProcessLookupError):
@@ -221,9 +270,9 @@ class EngineServer:
                     break
                 except subprocess.TimeoutExpired:
                     continue
-        if proc is not None:  # anything left in its group (workers that outlived the leader)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        # anything left in its group (workers that outlived the leader): once, right after the leader is gone
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._prev_sigterm)
             self._prev_sigterm = None
@@ -319,17 +368,31 @@ def vllm_server_command(
 
 
 def vllm_command(
-    python: str, target_dir: str, export_dir: str, k: int, port: int, cfg: EngineServerConfig
+    python: str,
+    target_dir: str,
+    export_dir: str,
+    k: int,
+    port: int,
+    cfg: EngineServerConfig,
+    served_name: str = SERVED_MODEL_NAME,
 ) -> list[str]:
     """The vLLM server with the export as its EAGLE-3 drafter, one request at a time like the bundled loop."""
     from eyas.serving.export import export_is_parallel, vllm_speculative_config
 
     spec = vllm_speculative_config(export_dir, k, export_is_parallel(export_dir))
-    return vllm_server_command(python, target_dir, port, cfg, "--speculative-config", json.dumps(spec))
+    return vllm_server_command(
+        python, target_dir, port, cfg, "--speculative-config", json.dumps(spec), served_name=served_name
+    )
 
 
 def sglang_command(
-    python: str, target_dir: str, export_dir: str, k: int, port: int, cfg: EngineServerConfig
+    python: str,
+    target_dir: str,
+    export_dir: str,
+    k: int,
+    port: int,
+    cfg: EngineServerConfig,
+    served_name: str = SERVED_MODEL_NAME,
 ) -> list[str]:
     """``python -m sglang.launch_server`` with the export as its EAGLE-3 drafter, a chain of K (topk 1)."""
     return [
@@ -338,7 +401,7 @@ def sglang_command(
         "sglang.launch_server",
         "--model-path",
         str(target_dir),
-        *_address_flags(SERVED_MODEL_NAME, port, cfg),
+        *_address_flags(served_name, port, cfg),
         "--context-length",
         str(cfg.max_model_len),
         "--speculative-algorithm",
@@ -400,12 +463,62 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any
         raise EngineError(f"POST {url} failed: {e}") from e
 
 
-def served_model_name(url: str, timeout_s: float = 30.0) -> str:
-    """The first model a server lists under ``/v1/models``."""
+def served_models(url: str, timeout_s: float = 30.0) -> list[str]:
+    """The model names a server lists under ``/v1/models``."""
     data = json.loads(http_get(url.rstrip("/") + "/v1/models", timeout_s)).get("data") or []
-    if not data:
-        raise EngineError(f"{url}/v1/models lists no model")
-    return str(data[0]["id"])
+    return [str(m["id"]) for m in data]
+
+
+def served_model_name(url: str, expected: str | None = None, timeout_s: float = 30.0) -> str:
+    """The model to send requests to: ``expected`` (the name eyas launched the server with), checked against
+    ``/v1/models``; else the server's only model. :class:`EngineError` when it is not listed, or when the
+    server lists several and none was named."""
+    listed = served_models(url, timeout_s)
+    if expected is not None:
+        if expected not in listed:
+            raise EngineError(f"{url}/v1/models does not list {expected!r} (it lists {listed})")
+        return expected
+    if len(listed) != 1:
+        raise EngineError(
+            f"{url}/v1/models lists {listed or 'no model'}: name the one to use (an evaluation: eval.server_model=<name>)"
+        )
+    return listed[0]
+
+
+def unique_served_name(prefix: str = SERVED_MODEL_NAME) -> str:
+    """A model name for one launch (``eyas-target-<8 hex>``): only the server started with it can list it."""
+    return f"{prefix}-{secrets.token_hex(4)}"
+
+
+def launch(
+    make_command: Callable[[int], list[str]],
+    cfg: EngineServerConfig,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    model: str | None = None,
+    attempts: int = 3,
+) -> EngineServer:
+    """Start ``make_command(port)`` on ``cfg.port`` (or a free port) and wait until it is ready and ours. With a
+    port chosen here, a server whose port another process took first (before the launch, or between
+    :func:`free_port` and its own bind) is started again on another port, up to ``attempts`` times."""
+    for attempt in range(1, attempts + 1):
+        port = cfg.port or free_port(cfg.host)
+        server = EngineServer(
+            make_command(port), f"http://{cfg.host}:{port}", log_path, env, cfg.stop_grace_s, model
+        )
+        try:
+            server.start()
+            server.wait_ready(cfg.startup_timeout_s)
+            return server
+        except PortTaken as e:
+            server.stop()
+            if cfg.port or attempt == attempts:
+                raise
+            log.warning("port %d was taken (%s); starting the engine server on another port", port, e)
+        except BaseException:
+            server.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
@@ -419,17 +532,17 @@ def engine_server(
     cuda: bool = False,
     threads: int | None = None,
 ) -> Iterator[EngineServer]:
-    """Start the engine with the target and the export as its drafter, wait for it, stop it on exit."""
+    """Start the engine with the target and the export as its drafter, under a model name of its own
+    (``server.model``), wait for it, stop it on exit."""
     python = engine_python(engine, cfg)
-    port = cfg.port or free_port(cfg.host)
     make = vllm_command if engine == "vllm" else sglang_command
-    server = EngineServer(
-        make(python, target_dir, export_dir, chain_length, port, cfg),
-        f"http://{cfg.host}:{port}",
+    name = unique_served_name()
+    server = launch(
+        lambda port: make(python, target_dir, export_dir, chain_length, port, cfg, served_name=name),
+        cfg,
         log_path,
         env=engine_env(engine, cfg, cuda, threads),
-        stop_grace_s=cfg.stop_grace_s,
+        model=name,
     )
     with server:
-        server.wait_ready(cfg.startup_timeout_s)
         yield server

@@ -633,11 +633,19 @@ def serving_commands(
 
 
 def serving_block(
-    export_dir: str | os.PathLike, target_ref: str, k: int, source: str, parallel: bool = False
+    export_dir: str | os.PathLike,
+    target_ref: str,
+    k: int,
+    source: str,
+    parallel: bool = False,
+    provenance: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``eyas_export.json``'s ``serve`` entry: the chain length, where it came from, and the command lines (none
-    when ``k`` is 0, i.e. when plain decoding was measured faster than any chain)."""
+    """``eyas_export.json``'s ``serve`` entry: the chain length, where it came from (``provenance``: the prompts
+    it was chosen on and the hardware it was profiled on, when an evaluation chose it), and the command lines
+    (none when ``k`` is 0, i.e. when plain decoding was predicted faster than any chain)."""
     block: dict[str, Any] = {"num_speculative_tokens": k, "source": source, "target": target_ref}
+    if provenance:
+        block.update(provenance)
     if k > 0:
         block["commands"] = serving_commands(export_dir, target_ref, k, parallel)
     else:
@@ -645,19 +653,48 @@ def serving_block(
     return block
 
 
-def record_serving(export_dir: str | os.PathLike, k: int, source: str) -> dict[str, Any]:
+def record_serving(
+    export_dir: str | os.PathLike,
+    k: int,
+    source: str,
+    *,
+    profiled_on: dict[str, Any] | None = None,
+    chosen_on: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Record chain length ``k`` (from ``source``, e.g. an evaluation report) in an export's ``eyas_export.json``
-    (rewritten atomically) and return the new ``serve`` entry."""
+    and, in the speculators format, as its ``config.json``'s greedy proposal length (what vLLM serves by
+    default); both rewritten atomically. ``profiled_on``: the hardware whose step times chose ``k`` (CPU model,
+    threads, torch version); ``chosen_on``: the prompts it was chosen on. Returns the new ``serve`` entry."""
     d = Path(export_dir)
     sidecar = read_export_json(d / EYAS_SIDECAR, EYAS_SIDECAR)
     target_ref = (sidecar.get("serve") or {}).get("target") or sidecar.get("target", {}).get(
         "name", "<target>"
     )
     parallel = bool((sidecar.get("drafter_config") or {}).get("parallel_drafting"))
-    sidecar["serve"] = serving_block(d, target_ref, k, source, parallel=parallel)
-    atomic_write_bytes(d / EYAS_SIDECAR, (json.dumps(sidecar, indent=2, default=str) + "\n").encode())
-    os.chmod(d / EYAS_SIDECAR, 0o644)  # as export wrote it, whatever the umask
+    provenance = {
+        **({"profiled_on": profiled_on} if profiled_on else {}),
+        **({"chosen_on": chosen_on} if chosen_on else {}),
+    }
+    sidecar["serve"] = serving_block(d, target_ref, k, source, parallel=parallel, provenance=provenance)
+    config = read_export_json(d / CONFIG, CONFIG)
+    if k > 0 and _set_speculative_tokens(config, k):
+        _rewrite_json(d / CONFIG, config)
+    _rewrite_json(d / EYAS_SIDECAR, sidecar)
     return sidecar["serve"]
+
+
+def _set_speculative_tokens(config: dict[str, Any], k: int) -> bool:
+    """Set every proposal method's ``speculative_tokens`` of a speculators-format config to ``k``; False when
+    the config has none (the SGLang format: the engine's command line carries K)."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+    for m in methods:
+        m["speculative_tokens"] = int(k)
+    return bool(methods)
+
+
+def _rewrite_json(path: Path, data: dict[str, Any]) -> None:
+    atomic_write_bytes(path, (json.dumps(data, indent=2, default=str) + "\n").encode())
+    os.chmod(path, 0o644)  # as export wrote it, whatever the umask
 
 
 def print_serving(serve: dict[str, Any] | None) -> None:
@@ -668,6 +705,13 @@ def print_serving(serve: dict[str, Any] | None) -> None:
         print(f"serve: {serve.get('note', 'no chain length recorded')} ({serve.get('source')})")
         return
     print(f"serve with K={serve['num_speculative_tokens']} (from {serve['source']}):")
+    hw = serve.get("profiled_on")
+    if hw:  # a K chosen from step times is that machine's
+        print(
+            "  chosen for "
+            + ", ".join(f"{k} {v}" for k, v in hw.items())
+            + "; on other hardware, evaluate there"
+        )
     for engine, cmd in serve["commands"].items():
         print(f"  {engine}: {cmd}")
 

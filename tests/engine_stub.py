@@ -1,11 +1,14 @@
 """A stand-in for a vLLM / SGLang server, for tests of eval/engine_eval.py without either engine installed.
 
-``python engine_stub.py --port P [--accept A] [--k K] [--ready-after S] [--die] [--never-ready]``
+``python engine_stub.py --port P [--accept A] [--k K] [--ready-after S] [--die] [--never-ready]
+[--served-model-name NAME] [--extra-model NAME]``
 
-Every request generates ``max_tokens`` tokens in verify steps that each accept ``A`` of ``K`` drafts (the last
-step accepts what is left), and publishes vLLM's spec-decode counters for them on ``/metrics`` a little after the
-response (as vLLM's asynchronous stat loggers do). ``/generate`` answers as SGLang's native API, with
-``spec_verify_ct`` in ``meta_info``.
+Every request generates ``max_tokens`` tokens: the first from prefill, the rest in verify steps that each accept
+``A`` of ``K`` drafts (the last step accepts what is left), and publishes vLLM's spec-decode counters for them on
+``/metrics`` a little after the response (as vLLM's asynchronous stat loggers do). ``/generate`` answers as
+SGLang's native API, with ``spec_verify_ct`` (verify steps, the prefill not among them) in ``meta_info``.
+``/v1/models`` lists ``--extra-model`` (a model this stub does not serve) before its own, as a server with
+several models may; completions for any other model than its own are refused.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ class State:
         return "\n".join(lines) + "\n"
 
 
-def make_handler(state: State, ready_at: float, never_ready: bool):
+def make_handler(
+    state: State, ready_at: float, never_ready: bool, model: str = "stub-model", extra: str | None = None
+):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a) -> None:
             pass
@@ -81,7 +86,8 @@ def make_handler(state: State, ready_at: float, never_ready: bool):
             elif self.path == "/metrics":
                 self._send(200, state.metrics(), "text/plain; version=0.0.4")
             elif self.path == "/v1/models":
-                self._send(200, json.dumps({"data": [{"id": "stub-model"}]}))
+                listed = ([extra] if extra else []) + [model]
+                self._send(200, json.dumps({"data": [{"id": m} for m in listed]}))
             else:
                 self._send(404, "")
 
@@ -97,12 +103,13 @@ def make_handler(state: State, ready_at: float, never_ready: bool):
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path == "/v1/completions":
-                if body.get("model") != "stub-model" or not all(isinstance(t, int) for t in body["prompt"]):
+                if body.get("model") != model or not all(isinstance(t, int) for t in body["prompt"]):
                     self._send(400, json.dumps({"error": "bad request"}))
                     return
                 n = int(body["max_tokens"])
-                steps = state.steps(n)
-                events = [
+                steps = state.steps(n - 1)  # the first token comes from prefill
+                events = [{"choices": [{"index": 0, "text": "t", "finish_reason": None}]}]
+                events += [
                     {"choices": [{"index": 0, "text": "t" * (a + 1), "finish_reason": None}]} for a in steps
                 ]
                 events[-1]["choices"][0]["finish_reason"] = "length"
@@ -113,7 +120,7 @@ def make_handler(state: State, ready_at: float, never_ready: bool):
                 threading.Thread(target=state.publish, args=(steps,)).start()
             elif self.path == "/generate":
                 n = int(body["sampling_params"]["max_new_tokens"])
-                steps = state.steps(n)
+                steps = state.steps(n - 1)  # the first token comes from prefill, not from a verify step
                 meta = {
                     "completion_tokens": n,
                     "spec_verify_ct": len(steps),
@@ -134,6 +141,8 @@ def main() -> None:
     p.add_argument("--ready-after", type=float, default=0.0)
     p.add_argument("--die", action="store_true")
     p.add_argument("--never-ready", action="store_true")
+    p.add_argument("--served-model-name", default="stub-model")
+    p.add_argument("--extra-model", default=None)
     a = p.parse_args()
     print("stub engine: loading model weights", flush=True)
     if a.die:
@@ -141,7 +150,13 @@ def main() -> None:
         sys.exit(3)
     server = ThreadingHTTPServer(
         ("127.0.0.1", a.port),
-        make_handler(State(a.k, a.accept), time.monotonic() + a.ready_after, a.never_ready),
+        make_handler(
+            State(a.k, a.accept),
+            time.monotonic() + a.ready_after,
+            a.never_ready,
+            a.served_model_name,
+            a.extra_model,
+        ),
     )
     print(f"stub engine: serving on {a.port}", flush=True)
     server.serve_forever()

@@ -19,8 +19,8 @@ Design decisions:
   target). The gap between ``tau_chain`` and the loop's τ is then what starting chains only after misses costs.
 - The first generated token comes from prefill, not from a draft, so the unroll's loss mask starts one token
   later, as the loop's first chain does.
-- Numerics are evaluation's (``eval.stage.EvalStageConfig.numerics``: bf16 with row-exact attention on CPUs with
-  bf16 units), and the target reads the drafter's aux layers, as ``eyas eval`` loads it.
+- Numerics are evaluation's speculative ones (``eval.stage.EvalStageConfig.verify_numerics``: bf16 with row-exact
+  attention on CPUs with bf16 units), and the target reads the drafter's aux layers, as ``eyas eval`` loads it.
 - A Hydra app like every command (``conf/bench_served.yaml``, typed by :class:`BenchServedConfig`).
 """
 
@@ -127,7 +127,7 @@ def run(args: BenchServedConfig) -> dict[str, Any]:
     target = load_target_for_drafter(TargetConfig(), args.export_dir)
     spec = PromptSetSpec("held-out", args.source, args.n, "", args.max_new_tokens)
     ecfg = EvalStageConfig(prompt_sets=[asdict(spec)], chain_length=k, dtype=args.dtype, profile=None)
-    target, numerics = ecfg.numerics(target)
+    target, numerics = ecfg.verify_numerics(target)
     loaded = load_drafter(args.export_dir, target)
     drafter = loaded.drafter
     prompts = load_prompt_ids(spec, target.tokenizer, args.seed)

@@ -91,3 +91,31 @@ def test_train_key_resolves_the_optimizer_as_the_launch_does(tmp_path, monkeypat
     under_ds = train_key(store, d, TrainConfig(optimizer="auto"))
     assert under_ds != plain
     assert under_ds == train_key(store, d, TrainConfig(optimizer="adamw"))
+
+
+def test_the_export_is_served_at_the_evaluated_k_labelled_with_its_hardware_and_split(tmp_path, monkeypatch):
+    """The pipeline records the evaluation's K in the export's serve entry with the machine whose step times chose
+    it (a 2-core CPU's K is no GPU's) and the calibration prompts it was chosen on."""
+    import json
+    from pathlib import Path
+
+    import eyas.eval.stage as stage
+    from eyas.eval.acceptance import AcceptanceResult
+    from eyas.eval.recommend import ChainLengthRecommendation
+    from eyas.eval.stage import EvalResult, EvalStageConfig
+    from eyas.pipeline import stage_eval
+    from eyas.serving.export import export
+    from eyas.serving.load import random_drafter
+
+    target = make_tiny_target("llama")
+    export(random_drafter(target, 64, seed=3), target, tmp_path / "export")
+    hw = {"cpu": "AMD EPYC", "threads": 2, "torch": "2.9.0"}
+    rec = ChainLengthRecommendation("eagle3-chain", 6, 2, [1.0] * 7, chosen_on={"reasoning": 4}, hardware=hw)
+    result = EvalResult(AcceptanceResult([], {}), None, tmp_path / "report.md", 1.0, None, rec)
+    monkeypatch.setattr(stage, "run", lambda *a, **k: result)
+    ecfg = EvalStageConfig(prompt_sets=[{"name": "reasoning", "source": "x", "n": 2}])
+    stage_eval(tmp_path / "export", ecfg, target, tmp_path, {}, "cmd")
+    serve = json.loads(Path(tmp_path / "export" / "eyas_export.json").read_text())["serve"]
+    assert serve["num_speculative_tokens"] == 2
+    assert serve["profiled_on"] == hw
+    assert serve["chosen_on"] == {"split": "calibration", "prompts": {"reasoning": 4}}

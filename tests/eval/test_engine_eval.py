@@ -19,6 +19,7 @@ from eyas.serving.engine_process import (
     EngineError,
     EngineServer,
     EngineServerConfig,
+    PortTaken,
     engine_python,
     free_port,
     health_ok,
@@ -133,27 +134,35 @@ def test_metrics_without_spec_counters_say_so():
 
 
 def test_stub_server_set_tau_matches_its_scripted_acceptance(tmp_path):
-    """Every verify step of the stub accepts 2 of 4 drafts: τ must come out 3, acceptance [1, 1, 0, 0]."""
+    """Every verify step of the stub accepts 2 of 4 drafts (after the prefill's token): τ must come out 3,
+    acceptance [1, 1, 0, 0], with per-prompt counts and intervals over the prompts."""
     with stub_server(tmp_path, "--k", "4", "--accept", "2", "--ready-after", "1") as server:
         server.wait_ready(30)
         client = EngineClient(server.url, "vllm", timeout_s=30)
-        sets = {"a": (_Spec(12), [[1, 2, 3], [4, 5]]), "b": (_Spec(9), [[7, 8, 9]])}
+        sets = {"a": (_Spec(13), [[1, 2, 3], [4, 5]]), "b": (_Spec(10), [[7, 8, 9]])}
         res = measure(client, sets)
     assert [r.prompt_set for r in res] == ["a", "b"]
     a, b = res
-    assert a.tokens == 24 and a.drafts == 8 and a.tau == pytest.approx(3.0)
+    assert a.tokens == 26 and a.drafts == 8 and a.tau == pytest.approx(3.0)
     assert a.acceptance_by_position == pytest.approx([1.0, 1.0, 0.0, 0.0])
-    assert b.tokens == 9 and b.tau == pytest.approx(3.0)
+    assert [(p.tokens, p.drafts, p.accepted) for p in a.per_prompt] == [(13, 4, 8), (13, 4, 8)]
+    assert a.tau_ci.estimate == pytest.approx(3.0) and a.tau_ci.contains(3.0)
+    assert a.tokens_per_s_ci.estimate == pytest.approx(a.tokens_per_s)
+    assert b.tokens == 10 and b.tau == pytest.approx(3.0)
     assert a.tokens_per_s > 0 and 0 < a.mean_ttft_ms <= 1e3 * a.seconds
     assert not server.running
 
 
-def test_sglang_tau_comes_from_verify_counts(tmp_path):
+def test_sglang_tau_does_not_count_the_prefill_token(tmp_path):
+    """11 completion tokens: the prefill's, then 5 verify steps accepting 1 of 3 drafts each (2 tokens a step).
+    τ is 10 / 5 = 2.0, as the bundled loop and vLLM count it; completion tokens / spec_verify_ct would say 2.2."""
     with stub_server(tmp_path, "--k", "3", "--accept", "1") as server:
         server.wait_ready(30)
-        res = measure(EngineClient(server.url, "sglang", timeout_s=30), {"s": (_Spec(10), [[1, 2]])})
+        res = measure(EngineClient(server.url, "sglang", timeout_s=30), {"s": (_Spec(11), [[1, 2], [3]])})
     (r,) = res
-    assert r.drafts == 5 and r.tau == pytest.approx(2.0) and r.tokens == 10
+    assert r.drafts == 10 and r.tokens == 22 and r.accepted == 10
+    assert r.tau == pytest.approx(2.0)
+    assert [(p.tokens, p.drafts, p.accepted) for p in r.per_prompt] == [(11, 5, 5), (11, 5, 5)]
 
 
 def test_dead_server_error_quotes_its_log(tmp_path):
@@ -227,6 +236,129 @@ def test_sigterm_to_eyas_stops_the_server(tmp_path):
         p.kill()
 
 
+SLEEPER = [
+    sys.executable,
+    "-c",
+    "import time; time.sleep(120)",
+]  # alive, never serves: an engine still loading
+
+
+def test_a_server_already_answering_on_the_port_is_not_taken_for_ours(tmp_path):
+    """Something (a leftover server) already answers /health on the port: eyas refuses to start, instead of
+    measuring that server as if it were the one it launched."""
+    with stub_server(tmp_path / "foreign") as foreign:
+        foreign.wait_ready(30)
+        ours = EngineServer(
+            SLEEPER, foreign.url, tmp_path / "ours.log", stop_grace_s=5, model="eyas-target-1"
+        )
+        try:
+            with pytest.raises(PortTaken, match="answers before the engine server was started"):
+                ours.start()
+                ours.wait_ready(10)
+        finally:
+            ours.stop()
+        assert ours.proc is None  # nothing was launched
+
+
+def test_a_server_that_takes_our_port_while_ours_loads_is_refused(tmp_path):
+    """Ours is alive and still loading; another server binds the port and answers /health first: it does not
+    list the model name eyas gave its own server, so readiness refuses it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ours = EngineServer(SLEEPER, url, tmp_path / "ours.log", stop_grace_s=5, model="eyas-target-1").start()
+    foreign = EngineServer(
+        [sys.executable, str(STUB), "--port", str(port)], url, tmp_path / "f.log", stop_grace_s=5
+    )
+    try:
+        foreign.start()
+        foreign.wait_ready(30)
+        with pytest.raises(PortTaken, match="not the engine server eyas started"):
+            ours.wait_ready(10)
+    finally:
+        ours.stop()
+        foreign.stop()
+
+
+def test_launch_starts_again_on_another_port_when_the_free_port_was_taken(tmp_path, monkeypatch):
+    """The port free_port() returned is bound by another process before the server binds it (the bind/close
+    race): the server exits with 'Address already in use' and launch() starts it again on a fresh port."""
+    import socket
+
+    import eyas.serving.engine_process as engines
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # bound, not listening: refuses connections
+    holder.bind(("127.0.0.1", 0))
+    taken = holder.getsockname()[1]
+    ports = iter([taken, free_port()])
+    monkeypatch.setattr(engines, "free_port", lambda host="127.0.0.1": next(ports))
+    cfg = EngineServerConfig(startup_timeout_s=30, stop_grace_s=5)
+    try:
+        server = engines.launch(
+            lambda port: [
+                sys.executable,
+                str(STUB),
+                "--port",
+                str(port),
+                "--served-model-name",
+                "eyas-target-2",
+            ],
+            cfg,
+            tmp_path / "server.log",
+            model="eyas-target-2",
+        )
+        with server:
+            assert not server.url.endswith(f":{taken}") and health_ok(server.url)
+    finally:
+        holder.close()
+
+
+def test_a_second_stop_sends_no_signal_to_a_process_group_that_may_be_recycled(tmp_path, monkeypatch):
+    import eyas.serving.engine_process as engines
+
+    server = stub_server(tmp_path).start()
+    server.wait_ready(30)
+    server.stop()
+    assert not server.running
+    sent = []
+    monkeypatch.setattr(engines.os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))
+    server.stop()  # atexit or a SIGTERM handler after the context manager's own stop
+    assert sent == []
+
+
+def test_requests_go_to_the_model_eyas_started_not_the_first_listed(tmp_path, monkeypatch):
+    """The server lists another model first: the eval stage sends its prompts to the one it launched, and a
+    client given no name refuses to guess between several."""
+    import contextlib
+
+    import eyas.serving.engine_process as engines
+    from eyas.eval.stage import EvalJob, EvalStageConfig, run_engine
+    from eyas.serving.engine_process import served_model_name
+
+    port = free_port()
+    cmd = [sys.executable, str(STUB), "--port", str(port), "--served-model-name", "eyas-target-3"]
+    cmd += ["--extra-model", "someone-else", "--k", "2", "--accept", "2"]
+    server = EngineServer(
+        cmd, f"http://127.0.0.1:{port}", tmp_path / "s.log", stop_grace_s=5, model="eyas-target-3"
+    )
+
+    @contextlib.contextmanager
+    def started(*args, **kwargs):
+        with server:
+            server.wait_ready(30)
+            with pytest.raises(EngineError, match="lists"):  # no name given, several listed: no guess
+                served_model_name(server.url)
+            yield server
+
+    monkeypatch.setattr(engines, "engine_server", started)
+    monkeypatch.setattr("eyas.serving.models.target.model_source", lambda cfg: ("/target", None))
+    ecfg = EvalStageConfig(
+        prompt_sets=[{"name": "p", "source": "builtin:predictable", "n": 1}], engine="vllm", profile=None
+    )
+    res = run_engine(EvalJob(eval=ecfg), tmp_path, {"p": (_Spec(7), [[1, 2, 3]])}, tmp_path)
+    assert res[0].tokens == 7 and res[0].tau == pytest.approx(3.0)
+    assert not server.running
+
+
 def test_missing_engine_venv_names_the_make_target(tmp_path, monkeypatch):
     import eyas.serving.engine_process as engine
 
@@ -266,7 +398,7 @@ def test_eval_stage_measures_a_running_server_without_loading_the_target(tmp_pat
     with stub_server(tmp_path, "--k", "3", "--accept", "3") as server:
         server.wait_ready(30)
         ecfg = EvalStageConfig(
-            prompt_sets=[{"name": "p", "source": "builtin:predictable", "n": 2, "max_new_tokens": 16}],
+            prompt_sets=[{"name": "p", "source": "builtin:predictable", "n": 2, "max_new_tokens": 17}],
             engine="vllm",
             server_url=server.url,
             bundled=False,

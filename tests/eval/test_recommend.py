@@ -6,7 +6,7 @@ import pytest
 
 from eyas.eval.acceptance import AcceptanceResult, SetMethodResult
 from eyas.eval.profile import StepProfile
-from eyas.eval.recommend import recommend_chain_length
+from eyas.eval.recommend import ChainLengthRecommendation, recommend_chain_length
 
 
 def _result(name: str, accepted: list[int], k: int = 6) -> SetMethodResult:
@@ -75,44 +75,23 @@ def test_no_profile_or_no_drafter_costs_means_no_recommendation():
     assert recommend_chain_length(acc, prof) is None
 
 
-def test_the_recommended_k_is_measured_beside_the_evaluated_k():
-    """eval.measure_best_k: the chain runs again at the recommended K, one row per set right after the K=6 row,
-    with real (not predicted) drafts of at most K tokens, still plain decoding's output."""
-    from eyas.eval.acceptance import PromptSetSpec, default_methods, run_acceptance
-    from eyas.eval.stage import EvalStageConfig, add_best_k_rows
-    from eyas.serving.load import random_drafter
-    from eyas.serving.verify import SamplingConfig
-    from tests.conftest import make_tiny_target
+def test_the_recommended_k_is_a_method_of_the_reported_run_right_after_the_evaluated_k():
+    """eval.measure_best_k: the chain at the recommended K joins the reported methods (so its speedup comes from
+    the same interleaved run as every other), right after the chain at chain_length; nothing is added when the
+    recommendation is the evaluated K or plain decoding."""
+    from eyas.eval.stage import EvalStageConfig, methods_to_report
 
-    target = make_tiny_target("llama")
-    drafter = random_drafter(target, 64, seed=3)
-    ids = [[11, 12, 13, 14, 15, 16] * 3]
-    prompts = {n: (PromptSetSpec(n, "ids", 1, n, max_new_tokens=12), ids) for n in ("a", "b")}
     ecfg = EvalStageConfig(
-        prompt_sets=[p for p, _ in prompts.values()],
+        prompt_sets=[{"name": "a", "source": "x", "n": 1}],
         chain_length=4,
-        methods=["eagle3-chain", "none"],
-        profile=None,
+        methods=["eagle3-chain", "prompt-lookup", "none"],
     )
-    acc = run_acceptance(
-        target,
-        drafter,
-        prompts,
-        default_methods(4, with_tree=False)[:1] + default_methods(4)[-1:],
-        SamplingConfig(),
-    )
-    assert (
-        add_best_k_rows(acc, 4, ecfg, target, drafter, prompts) is acc
-    )  # K already measured: nothing to add
-    out = add_best_k_rows(acc, 2, ecfg, target, drafter, prompts)
-    assert [(r.prompt_set, r.method) for r in out.results] == [
-        ("a", "eagle3-chain"),
-        ("a", "eagle3-chain-k2"),
-        ("a", "none"),
-        ("b", "eagle3-chain"),
-        ("b", "eagle3-chain-k2"),
-        ("b", "none"),
-    ]
-    for r in out.results:
-        if r.method == "eagle3-chain-k2":
-            assert len(r.acceptance_by_position) == 2 and r.match_rate == 1.0 and r.speedup > 0
+
+    def names(best_k: int | None, cfg: EvalStageConfig = ecfg) -> list[str]:
+        rec = None if best_k is None else ChainLengthRecommendation("eagle3-chain", 4, best_k, [1.0] * 5)
+        return [m.name for m in methods_to_report(cfg, rec)]
+
+    assert names(2) == ["eagle3-chain", "eagle3-chain-k2", "prompt-lookup", "none"]
+    assert names(4) == names(0) == names(None) == ["eagle3-chain", "prompt-lookup", "none"]
+    ecfg.measure_best_k = False
+    assert names(2) == ["eagle3-chain", "prompt-lookup", "none"]

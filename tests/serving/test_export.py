@@ -491,3 +491,26 @@ def test_export_declaring_a_window_without_its_size_is_refused(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(ExportError, match="sliding_window"):
         load_exported(tmp_path / "out", embedding=d.embed_tokens.weight)
+
+
+def test_recording_a_k_updates_a_speculators_config_and_says_where_it_was_chosen(tmp_path):
+    """vLLM serves a speculators export at its config.json's speculative_tokens unless told otherwise: an
+    evaluation's K must land there too, not only in eyas's sidecar; the serve entry names the hardware the K was
+    profiled on and the prompts it was chosen on."""
+    from eyas.serving.export import describe_export, record_serving
+
+    d, cfg = make_drafter()
+    out = tmp_path / "out"
+    export(d, spec_for(cfg), out, "speculators", config=ExportConfig(speculative_tokens=5))
+    config = lambda: json.loads((out / "config.json").read_text())  # noqa: E731
+    methods = lambda: config()["speculators_config"]["proposal_methods"]  # noqa: E731
+    assert [m["speculative_tokens"] for m in methods()] == [5]
+    hw = {"cpu": "AMD EPYC", "threads": 2, "torch": "2.9.0"}
+    chosen = {"split": "calibration", "prompts": {"reasoning": 4}}
+    serve = record_serving(out, 2, "eval report r.md", profiled_on=hw, chosen_on=chosen)
+    assert [m["speculative_tokens"] for m in methods()] == [2]
+    assert serve["profiled_on"] == hw and serve["chosen_on"] == chosen
+    assert describe_export(out)["serve"] == serve
+    assert load_exported(out) is not None  # the rewritten config still loads
+    record_serving(out, 0, "eval report r.md")  # plain decoding fastest: the config keeps a valid length
+    assert [m["speculative_tokens"] for m in methods()] == [2]

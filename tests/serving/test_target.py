@@ -191,17 +191,23 @@ def test_eval_numerics_on_cpu_bf16_exact_where_the_probe_passes_else_fp32(tiny_t
     auto = EvalStageConfig(prompt_sets=sets)
     monkeypatch.setattr(stage, "cpu_has_bf16", lambda: True)
     monkeypatch.setattr(stage, "probe", lambda target, sizes: None)
-    chosen, line = auto.numerics(t)
-    assert (chosen.dtype, chosen.attention) == (torch.bfloat16, "exact") and "probe" in line
+    chosen = auto.numerics(t)
+    assert (chosen.verify.dtype, chosen.verify.attention) == (
+        torch.bfloat16,
+        "exact",
+    ) and "probe" in chosen.note
     assert t.attention == "sdpa"  # the shared target is left as it was
     monkeypatch.setattr(stage, "probe", lambda target, sizes: "row 3 differs")
-    chosen, line = auto.numerics(t)
-    assert (chosen.dtype, chosen.attention) == (torch.float32, "sdpa") and "row 3 differs" in line
+    chosen = auto.numerics(t)
+    assert (chosen.verify.dtype, chosen.verify.attention) == (
+        torch.float32,
+        "sdpa",
+    ) and "row 3 differs" in chosen.note
     monkeypatch.setattr(stage, "cpu_has_bf16", lambda: False)
-    assert auto.numerics(t)[0].dtype == torch.float32
-    chosen, _ = EvalStageConfig(prompt_sets=sets, dtype="target").numerics(t)
-    assert chosen is t
-    assert EvalStageConfig(prompt_sets=sets, dtype="float32").numerics(t)[0].attention == "sdpa"
+    assert auto.numerics(t).verify.dtype == torch.float32
+    chosen = EvalStageConfig(prompt_sets=sets, dtype="target").numerics(t)
+    assert chosen.verify is t and chosen.baseline is t
+    assert EvalStageConfig(prompt_sets=sets, dtype="float32").numerics(t).verify.attention == "sdpa"
     with pytest.raises(ValueError, match="eval.dtype must be"):
         EvalStageConfig(prompt_sets=sets, dtype="fp8")
 
