@@ -1,6 +1,6 @@
 """Setup for a training run: the drafter for a target, its draft vocabulary, and the data sources.
 
-``python -m eyas.train`` and the pipeline go setup -> :func:`train.loop.fit`; tests call these pieces directly.
+``python -m eyas.train`` and the pipeline go setup -> :func:`train.trainer.fit`; tests call these pieces directly.
 
 Design decisions:
 - The drafter's sizes, rope and positions come from the target (``DrafterConfig.from_target``); its embedding
@@ -327,7 +327,7 @@ def run(job: TrainJob, target=None):
     from dataclasses import replace
 
     from eyas.serving.models.target import load_target
-    from eyas.train.loop import fit, make_accelerator
+    from eyas.train.trainer import fit, make_accelerator
 
     target_cfg, drafter_cfg, cfg = job.target, job.drafter, job.train
     ensure_out_dir(cfg.output_dir, "train.output_dir")  # before minutes of loading, not after
