@@ -1,4 +1,9 @@
-"""The training loop: ``fit(cfg, drafter, data, ...) -> TrainResult``.
+"""The trainer: ``Trainer(cfg, drafter, data, ...).train() -> TrainResult`` (``fit`` is that one line).
+
+In torchtitan's shape: :class:`Trainer`'s construction does the setup (the run's identity, the output directory's
+lock, the teacher, model / optimizer / scheduler through accelerate or DeepSpeed, resume, the logger);
+:meth:`Trainer.train_step`, :meth:`Trainer.evaluate` and :meth:`Trainer.save` are methods and
+:meth:`Trainer.train` is the loop over them.
 
 Design decisions:
 - accelerate carries every distribution mode: plain data parallel (DDP on GPU, gloo on CPU), DeepSpeed ZeRO-2/3
@@ -16,11 +21,17 @@ Design decisions:
   stays good.
 - Checkpoints at ``save_every`` and at the end; held-out evaluation (simulated acceptance) at ``eval_every`` and
   at the end, before the checkpoint of the same step; ``best/`` keeps the drafter with the best metric.
+- Held-out acceptance is simulated for chains of ``train.eval_chain_length`` drafts whatever ``ttt_steps`` is
+  (the unroll runs the longer of the two; the loss weighs the training steps only), so τ_sim compares across
+  TTT settings and speaks of the chain length served.
+- One trainer per output directory (``train.guards.OutputDirLock``); SIGTERM / SIGINT save a checkpoint of the
+  step reached and end the run with :class:`~train.guards.TrainingInterrupted` (``train.guards.StopSignals``).
 - Time is split into data wait (fetching the batches and moving them to the device) and compute.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -48,9 +59,11 @@ from eyas.train.checkpoint import (
     trainable_weights,
 )
 from eyas.train.config import TrainConfig, resolve_mixed_precision
+from eyas.train.guards import OutputDirLock, StopSignals, TrainingInterrupted
 from eyas.train.losses import (
     ChainCounts,
     DistillationModel,
+    LossOutput,
     VocabMaps,
     build_teacher,
     draft_head,
@@ -85,7 +98,9 @@ class EvalResult:
     acceptance: AcceptanceEstimate
     step_loss: list[float]
     step_acc: list[float]
-    """Teacher-forced accuracy over in-vocabulary loss rows (what the training log shows)."""
+    """Teacher-forced accuracy over in-vocabulary loss rows (what the training log shows), per unrolled step."""
+    chain_length: int
+    """Drafts per simulated chain (``train.eval_chain_length``): the K of the τ estimates."""
 
     def metric(self, name: str) -> float:
         return {
@@ -107,6 +122,7 @@ class EvalResult:
             "tau_served": self.acceptance.tau_served,
             "served_cond_acc": self.acceptance.served_cond_acc,
             "rows": self.acceptance.rows,
+            "chain_length": self.chain_length,
         }
 
 
@@ -285,12 +301,20 @@ def _sum(accelerator, x: torch.Tensor) -> torch.Tensor:
     return accelerator.reduce(x, "sum") if accelerator.num_processes > 1 else x
 
 
-def _min_int(accelerator, n: int) -> int:
+def _reduce_int(accelerator, n: int, op) -> int:
     if accelerator.num_processes == 1:
         return n
     t = torch.tensor([n], dtype=torch.long, device=accelerator.device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(t, op=op)
     return int(t.item())
+
+
+def _min_int(accelerator, n: int) -> int:
+    return _reduce_int(accelerator, n, torch.distributed.ReduceOp.MIN)
+
+
+def _max_int(accelerator, n: int) -> int:
+    return _reduce_int(accelerator, n, torch.distributed.ReduceOp.MAX)
 
 
 def _check_finite(accelerator, loss: torch.Tensor, step: int, batch: Batch) -> None:
@@ -313,45 +337,490 @@ def _check_finite(accelerator, loss: torch.Tensor, step: int, batch: Batch) -> N
 # -- evaluation -------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(
-    accelerator, model, batches: Sequence[Batch], teacher_kw: dict[str, Any], step_weights: list[float]
+    accelerator,
+    model,
+    batches: Sequence[Batch],
+    teacher_kw: dict[str, Any],
+    step_weights: list[float],
+    chain_length: int | None = None,
 ) -> EvalResult | None:
-    """Simulated acceptance and loss on held-out batches (every process its own list, same length)."""
-    k = len(step_weights)
+    """Simulated acceptance of chains of ``chain_length`` drafts (default: ``len(step_weights)``) and the loss on
+    held-out batches (every process its own list, same length). The drafter is unrolled
+    ``max(chain_length, len(step_weights))`` steps; the loss weighs the training steps only."""
+    k = chain_length or len(step_weights)
+    n = max(k, len(step_weights))
     dev = accelerator.device
     chain = ChainCounts(*(torch.zeros(k, device=dev) for _ in range(6)))
-    ce = torch.zeros(k, device=dev)
-    count = torch.zeros(k, device=dev)
-    correct = torch.zeros(k, device=dev)
+    ce, count, correct = (torch.zeros(n, device=dev) for _ in range(3))
     positions = torch.zeros(1, device=dev)
     for b in batches:
         b = b.to(dev)
         teacher = build_teacher(b, **teacher_kw)
-        out = model(b.input_ids, b.aux, b.position_ids, b.segment_ids, teacher, 1.0, with_chain=True)
+        out = model(
+            b.input_ids, b.aux, b.position_ids, b.segment_ids, teacher, 1.0, with_chain=True, chain_steps=k
+        )
         for total, part in zip(chain.tensors(), out.chain.tensors()):
             total.add_(part)
         ce += out.ce_sum
         count += out.count
         correct += out.correct
         positions += teacher.num_positions
-    flat = _sum(
-        accelerator,
-        torch.cat([*chain.tensors(), ce, count, correct, positions]),
-    )
+    flat = _sum(accelerator, torch.cat([*chain.tensors(), ce, count, correct, positions]))
     chain = ChainCounts(*(x.cpu() for x in flat[: 6 * k].view(6, k)))
-    ce, count, correct = flat[6 * k : 7 * k], flat[7 * k : 8 * k], flat[8 * k : 9 * k]
-    n = float(flat[-1])
-    if n == 0:
+    ce, count, correct = flat[6 * k : 6 * k + 3 * n].view(3, n)
+    if float(flat[-1]) == 0:
         return None
-    w = torch.tensor(step_weights, device=dev)
+    w = torch.tensor(list(step_weights) + [0.0] * (n - len(step_weights)), device=dev)
     return EvalResult(
-        loss=float((w * ce).sum() / n),
+        loss=float((w * ce).sum() / flat[-1]),
         acceptance=simulated_acceptance(chain),
         step_loss=(ce / count.clamp(min=1)).tolist(),
         step_acc=(correct / count.clamp(min=1)).tolist(),
+        chain_length=k,
     )
 
 
-# -- fit --------------------------------------------------------------------------------------------------------
+def teacher_kwargs(cfg: TrainConfig, drafter: Eagle3Drafter, head: TargetHead | None, dev) -> dict[str, Any]:
+    """How :func:`train.losses.build_teacher` builds this run's teachers: frozen head copies on this device (the
+    full head only where the OOV rule or the acceptance metrics need it)."""
+    maps = VocabMaps.from_draft_ids(drafter.draft_to_target.cpu(), drafter.config.vocab_size).to(dev)
+    full_head = None
+    if head is not None:
+        full_head = TargetHead(
+            head.weight.detach().to(dev),
+            None if head.bias is None else head.bias.detach().to(dev),
+            softcap=head.softcap,
+            scale=head.scale,
+        )
+    return dict(
+        maps=maps,
+        form=cfg.teacher,
+        oov_rule=cfg.oov_rule,
+        temperature=cfg.teacher_temperature,
+        head=full_head,  # the OOV rule teacher, and the acceptance metrics of either rule
+        draft_rows_head=draft_head(full_head, maps)
+        if full_head is not None and cfg.oov_rule == "label"
+        else None,
+    )
+
+
+def _best_chain_length(out_dir: Path) -> int | None:
+    """The chain length ``best/`` was measured at (None: no best/, or one from before the setting)."""
+    try:
+        return json.loads((out_dir / "best" / "metrics.json").read_text()).get("chain_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+# -- the trainer ------------------------------------------------------------------------------------------------
+@dataclass
+class StepOutput:
+    """One optimizer step on this process."""
+
+    losses: list[LossOutput]
+    """Each micro-batch's loss and statistics."""
+    tokens: list[int]
+    """Each micro-batch's real (non-padding) tokens."""
+    supervised: float
+    """Supervised positions of the step over all processes (the loss normalizer)."""
+    grad_norm: Any = None
+    """The global gradient norm before clipping (None where accelerate does not report it)."""
+
+
+class Trainer:
+    """One training run (see the module docstring). Construction does the setup: the run's identity, the output
+    directory's lock, the teacher, model / optimizer / scheduler through accelerate (or DeepSpeed), resume and
+    the metrics logger; :meth:`train` is the loop over :meth:`train_step`, :meth:`evaluate` and :meth:`save`.
+
+    head: the target's frozen LM head (needed for batches carrying ``target_hidden``). target_info: the target's
+    TargetInfo (or its dict), recorded in checkpoints and checked against the data's manifest. accelerator: an
+    existing ``accelerate.Accelerator`` (default: :func:`make_accelerator`). extra_identity: anything else a
+    resumed run must share (e.g. the data's fingerprint).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        drafter: Eagle3Drafter,
+        data: BatchSource,
+        eval_data: Iterable[Batch] | None = None,
+        *,
+        head: TargetHead | None = None,
+        target_info: Any = None,
+        accelerator=None,
+        extra_identity: dict[str, Any] | None = None,
+    ):
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg, self.drafter, self.data = cfg, drafter, data
+        self.acc = accelerator or make_accelerator(cfg)
+        self.device = self.acc.device
+        self.info = target_info.to_dict() if hasattr(target_info, "to_dict") else target_info
+        _check_data_target(data, self.info)
+        if hasattr(data, "__len__") and len(data) == 0:
+            raise EmptyDataError(
+                "the training split is empty: no batches to train on (check the data source)"
+            )
+        self.total_steps = total_steps(cfg, data)
+        self.optimizer_name = self._resolve_optimizer()
+        self.identity = self._run_identity(extra_identity)
+        self.out_dir = ensure_out_dir(cfg.output_dir, "train.output_dir")
+        self.lock = OutputDirLock(self.out_dir, self.acc)  # before anything is written into the directory
+        self.logger: MetricsLogger | None = None
+        try:
+            self.root = checkpoints_root(self.out_dir)
+            self.resumed_from = _resume_path(cfg, self.root)
+            self.teacher_kw = teacher_kwargs(cfg, drafter, head, self.device)
+            self.model, self.optimizer, self.scheduler = self._prepare()
+            self.state = self._initial_state()
+            self.logger = self._open_logger()
+            self.eval_batches = self._held_out(eval_data)
+        except BaseException:
+            self.close()
+            raise
+        self.step = self.state.step
+        self.last_checkpoint: Path | None = self.resumed_from
+        self.drafter_config = drafter.config.to_dict()
+        self.weights = torch.tensor(cfg.step_weights, device=self.device)
+        self.run_tokens = 0
+        self.last_train: dict[str, Any] = {}
+
+    # -- setup ----------------------------------------------------------------------------------------------
+    def _resolve_optimizer(self) -> str:
+        cfg = self.cfg
+        name = resolve_optimizer(cfg.optimizer, deepspeed=self.acc.state.deepspeed_plugin is not None)
+        if self.acc.is_main_process:
+            muon_lr = cfg.muon_lr if name == "muon" else None
+            log.info(
+                "optimizer: %s (train.optimizer=%s), lr %g%s, %s schedule",
+                name,
+                cfg.optimizer,
+                cfg.lr,
+                f", Muon lr {muon_lr:g}" if muon_lr is not None else "",
+                cfg.schedule,
+            )
+            if cfg.muon_lr is not None and muon_lr is None:
+                log.warning("train.muon_lr=%g is not used: the optimizer resolved to AdamW", cfg.muon_lr)
+        return name
+
+    def _run_identity(self, extra: dict[str, Any] | None) -> dict[str, Any]:
+        """What a checkpoint must share with the run that resumes it (its hash is the checkpoint's config_hash)."""
+        return {
+            "train": self.cfg.identity(self.optimizer_name),
+            "total_steps": self.total_steps,
+            "drafter": self.drafter.config.to_dict(),
+            "draft_vocab": json_hash({"ids": self.drafter.draft_to_target.cpu().tolist()}),
+            "target": self.info,
+            "world_size": self.acc.num_processes,
+            **(extra or {}),
+        }
+
+    def _prepare(self):
+        """The distillation model, optimizer and LR schedule, wrapped by accelerate (DDP or DeepSpeed)."""
+        cfg, acc = self.cfg, self.acc
+        self.drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
+        model = DistillationModel(
+            self.drafter,
+            cfg.step_weights,
+            bf16_head=cfg.bf16_lm_head,
+            feature_weight=cfg.feature_weight,
+            miss_weight=cfg.miss_weight,
+            loss=cfg.loss,
+            loss_weight=cfg.loss_weight,
+        )
+        optimizer = build_optimizer(
+            model,
+            self.optimizer_name,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=cfg.betas,
+            eps=cfg.adam_eps,
+            fused=self.device.type
+            in ("cpu", "cuda"),  # one kernel per step instead of a chain of foreach ops
+            muon_lr=cfg.muon_lr if self.optimizer_name == "muon" else None,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg, self.total_steps))
+        _configure_deepspeed(acc, cfg)
+        model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+        if acc.gradient_accumulation_steps != cfg.grad_accum:
+            raise ValueError(
+                f"the DeepSpeed config sets gradient_accumulation_steps={acc.gradient_accumulation_steps} but "
+                f'train.grad_accum={cfg.grad_accum}; set it to "auto" in the DeepSpeed config'
+            )
+        return model, optimizer, scheduler
+
+    def _initial_state(self) -> TrainerState:
+        """A fresh state, or the resumed checkpoint's (model, optimizer, schedule, RNG and data loaded in place)."""
+        cfg = self.cfg
+        state = TrainerState(
+            step=0,
+            config_hash=json_hash(self.identity),
+            identity=self.identity,
+            world_size=self.acc.num_processes,
+        )
+        if self.resumed_from is not None:
+            loaded = load_checkpoint(
+                self.resumed_from,
+                accelerator=self.acc,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                config_hash=state.config_hash,
+                identity=self.identity,
+            )
+            state = loaded.state
+            self.data.load_state_dict(loaded.data_state)
+            self._forget_incomparable_best(state)
+        state.best_metric = cfg.best_metric
+        return state
+
+    def _forget_incomparable_best(self, state: TrainerState) -> None:
+        """A best value of another metric, or of τ at another chain length, says nothing about this run's values
+        (a loss of ~4 is never below a tau_chain of ~1; τ at 7 drafts beats τ at 6): start a new best."""
+        cfg = self.cfg
+        if state.best_value is None:
+            return
+        if state.best_metric != cfg.best_metric:
+            why = f"was picked by {state.best_metric or 'an earlier metric'}; train.best_metric is now {cfg.best_metric}"
+        elif cfg.best_metric != "loss" and _best_chain_length(self.out_dir) != cfg.eval_chain_length:
+            k = _best_chain_length(self.out_dir)
+            why = (
+                f"was picked on chains of {k or 'train.ttt_steps'} drafts; train.eval_chain_length is now "
+                f"{cfg.eval_chain_length}"
+            )
+        else:
+            return
+        log.warning("best/ (step %s) %s: the next evaluation starts a new best", state.best_step, why)
+        state.best_value = state.best_step = None
+
+    def _open_logger(self) -> MetricsLogger:
+        logger = MetricsLogger(
+            self.out_dir,
+            enabled=self.acc.is_main_process,
+            wandb_cfg=self.cfg.wandb,
+            run_config={
+                "train": self.identity["train"],
+                "drafter": self.drafter.config.to_dict(),
+                "target": self.info,
+            },
+            resume_step=self.state.step if self.resumed_from is not None else None,
+            wandb_id=self.state.wandb_id,
+        )
+        self.state.wandb_id = logger.wandb_id
+        return logger
+
+    def _held_out(self, eval_data: Iterable[Batch] | None) -> list[Batch]:
+        """The first ``eval_batches`` held-out batches (as many on every process)."""
+        if eval_data is None:
+            return []
+        n = self.cfg.eval_batches
+        batches = list(islice(eval_data, n) if n else eval_data)
+        return batches[: _min_int(self.acc, len(batches))]
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        """Step to ``total_steps``, evaluating and saving on schedule (see the module docstring). SIGTERM or
+        SIGINT: a checkpoint of the step reached, then :class:`TrainingInterrupted`."""
+        cfg, start = self.cfg, self.step
+        batches = _Batches(self.data)
+        bar = tqdm(
+            total=self.total_steps,
+            initial=start,
+            desc="train",
+            dynamic_ncols=True,
+            disable=not (cfg.progress and self.acc.is_main_process),
+        )
+        window = _Window(cfg.ttt_steps, self.device)
+        final_eval: EvalResult | None = None
+        run_start = time.perf_counter()
+        try:
+            with StopSignals() as signals:
+                while self.step < self.total_steps:
+                    t0 = time.perf_counter()
+                    micro = [batches.next().to(self.device) for _ in range(cfg.grad_accum)]
+                    t1 = time.perf_counter()
+                    out = self.train_step(micro)
+                    window.add_step(out, data_s=t1 - t0, compute_s=time.perf_counter() - t1)
+                    bar.update(1)
+                    self._log_train(window, out.grad_norm, bar)
+                    res = self._evaluate_and_save_on_schedule()
+                    if self.step == self.total_steps:
+                        final_eval = res
+                    self._stop_if_signalled(signals)
+            if start >= self.total_steps:
+                log.info(
+                    "nothing to train: the checkpoint is already at step %d of %d", start, self.total_steps
+                )
+                final_eval = self.evaluate()
+        finally:
+            bar.close()
+            self.close()
+        return self._result(start, final_eval, time.perf_counter() - run_start)
+
+    def train_step(self, micro: list[Batch]) -> StepOutput:
+        """One optimizer step over ``grad_accum`` micro-batches (on the device) on every process."""
+        acc, cfg = self.acc, self.cfg
+        teachers = [build_teacher(b, **self.teacher_kw, keep_oov=False) for b in micro]
+        n_local = sum(int(supervised_positions(b).sum()) for b in micro)  # OOV rows count: they are tokens
+        # one all-reduce: supervised positions (the normalizer) and tokens (TrainerState.tokens_seen)
+        counts = _sum(
+            acc, torch.tensor([float(n_local), float(sum(b.num_tokens for b in micro))], device=self.device)
+        )
+        normalizer = counts[:1].clamp(min=1.0) / (acc.num_processes * cfg.grad_accum)
+        losses, grad_norm = [], None
+        for b, teacher in zip(micro, teachers):
+            with acc.accumulate(self.model):
+                out = self.model(b.input_ids, b.aux, b.position_ids, b.segment_ids, teacher, normalizer)
+                _check_finite(acc, out.loss, self.step + 1, b)
+                acc.backward(out.loss)
+                if acc.sync_gradients:
+                    grad_norm = self._optimizer_step(micro)
+            losses.append(out)
+        if not acc.sync_gradients:
+            raise RuntimeError("accelerate's accumulation counter is out of step with train.grad_accum")
+        self.step += 1
+        self.state.tokens_seen += int(counts[1].item())  # every real token of the step, all processes
+        return StepOutput(losses, [b.num_tokens for b in micro], float(counts[0].item()), grad_norm)
+
+    def _optimizer_step(self, micro: list[Batch]):
+        """Clip (a non-finite norm stops the run, naming the samples), step the optimizer and the schedule."""
+        cfg = self.cfg
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            ids = [s for mb in micro for row in mb.sample_ids for s in row]
+            raise NonFiniteLossError(
+                f"non-finite gradient norm at step {self.step + 1} (samples {ids[:20]}); the last good "
+                "checkpoint is kept. Lower train.lr or drop these samples and resume",
+                step=self.step + 1,
+                sample_ids=ids,
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _log_train(self, window: _Window, grad_norm, bar) -> None:
+        step = self.step
+        if not (step % max(self.cfg.log_every, 1) == 0 or step == self.total_steps):
+            return
+        rec = window.flush(self.acc, self.weights)
+        rec.update(
+            lr=float(self.scheduler.get_last_lr()[0]),
+            grad_norm=None if grad_norm is None else float(grad_norm),
+        )
+        self.run_tokens += rec["tokens"]
+        self.logger.log(step, "train", rec)
+        self.last_train = rec
+        bar.set_postfix(
+            loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}"
+        )
+        log.debug("step %d %s", step, rec)
+
+    def _evaluate_and_save_on_schedule(self) -> EvalResult | None:
+        """Evaluate, then save, where ``eval_every`` / ``save_every`` fall on this step (both at the last step)."""
+        cfg, step, last = self.cfg, self.step, self.step == self.total_steps
+        res = self.evaluate() if cfg.eval_every and step % cfg.eval_every == 0 or last else None
+        if cfg.save_every and step % cfg.save_every == 0 or last:
+            self.save()
+        return res
+
+    def _stop_if_signalled(self, signals: StopSignals) -> None:
+        """After a step: if any process got SIGTERM / SIGINT, all save this step (unless just saved) and stop."""
+        signum = _max_int(self.acc, signals.signum or 0)
+        if not signum:
+            return
+        if self.state.step != self.step:
+            self.save()
+        raise TrainingInterrupted(signum, self.step, str(self.last_checkpoint))
+
+    # -- evaluation and checkpoints -------------------------------------------------------------------------
+    def evaluate(self) -> EvalResult | None:
+        """Held-out metrics at the current step (chains of ``train.eval_chain_length`` drafts), logged; ``best/``
+        replaced when they are the best so far."""
+        if not self.eval_batches:
+            return None
+        cfg = self.cfg
+        res = evaluate(
+            self.acc, self.model, self.eval_batches, self.teacher_kw, cfg.step_weights, cfg.eval_chain_length
+        )
+        if res is None:
+            return None
+        self.logger.log(self.step, "eval", res.to_dict())
+        if self.acc.is_main_process:
+            log.info(
+                "eval step %d (K=%d): tau_chain %.3f tau_served %.3f tau_indep %.3f loss %.4f acc %s",
+                self.step,
+                res.chain_length,
+                res.acceptance.tau_chain,
+                res.acceptance.tau_served,
+                res.acceptance.tau_indep,
+                res.loss,
+                [round(a, 3) for a in res.acceptance.acc],
+            )
+        self._keep_best(res)
+        return res
+
+    def _keep_best(self, res: EvalResult) -> None:
+        cfg, state = self.cfg, self.state
+        value = res.metric(cfg.best_metric)
+        better = state.best_value is None or (
+            value < state.best_value if cfg.best_metric == "loss" else value > state.best_value
+        )
+        if not better:
+            return
+        state.best_value, state.best_step = value, self.step
+        weights = trainable_weights(self.acc, self.model)  # collective under ZeRO-3
+        if self.acc.is_main_process:
+            save_best(
+                self.out_dir / "best",
+                weights,
+                self.drafter_config,
+                {"step": self.step, "metric": cfg.best_metric, "value": value, **res.to_dict()},
+            )
+
+    def save(self) -> Path:
+        """A checkpoint of the current step (collective: every process calls it)."""
+        self.state.step = self.step
+        self.last_checkpoint = save_checkpoint(
+            self.root,
+            self.state,
+            accelerator=self.acc,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data_state=self.data.state_dict(),
+            drafter_config=self.drafter_config,
+            keep_last=self.cfg.keep_last,
+        )
+        return self.last_checkpoint
+
+    def close(self) -> None:
+        """Close the logger and release the output directory (idempotent)."""
+        if self.logger is not None:
+            self.logger.close()
+        self.lock.release()
+
+    def _result(self, start: int, final_eval: EvalResult | None, elapsed: float) -> TrainResult:
+        state = self.state
+        return TrainResult(
+            steps=self.step,
+            steps_this_run=self.step - start,
+            output_dir=str(self.out_dir),
+            resumed_from=None if self.resumed_from is None else str(self.resumed_from),
+            last_checkpoint=None if self.last_checkpoint is None else str(self.last_checkpoint),
+            best_dir=str(self.out_dir / "best") if state.best_value is not None else None,
+            best_value=state.best_value,
+            best_step=state.best_step,
+            final_eval=None if final_eval is None else final_eval.to_dict(),
+            last_train=self.last_train,
+            tokens=self.run_tokens,
+            train_seconds=elapsed,
+            tokens_per_s=self.run_tokens / elapsed if elapsed > 0 else 0.0,
+            metrics_path=str(self.logger.path),
+        )
+
+
 def fit(
     cfg: TrainConfig,
     drafter: Eagle3Drafter,
@@ -363,291 +832,17 @@ def fit(
     accelerator=None,
     extra_identity: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """Train ``drafter`` on this process's ``data`` (see the module docstring).
-
-    head: the target's frozen LM head (needed for batches carrying ``target_hidden``). target_info: the target's
-    TargetInfo (or its dict), recorded in checkpoints and checked against the data's manifest. accelerator: an
-    existing ``accelerate.Accelerator`` (default: :func:`make_accelerator`). extra_identity: anything else a
-    resumed run must share (e.g. the data's fingerprint).
-    """
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    acc = accelerator or make_accelerator(cfg)
-    dev = acc.device
-    world = acc.num_processes
-    info = target_info.to_dict() if hasattr(target_info, "to_dict") else target_info
-    _check_data_target(data, info)
-    if hasattr(data, "__len__") and len(data) == 0:
-        raise EmptyDataError("the training split is empty: no batches to train on (check the data source)")
-    n_steps = total_steps(cfg, data)
-    vocab_ids = drafter.draft_to_target.cpu()
-    optimizer_name = resolve_optimizer(cfg.optimizer, deepspeed=acc.state.deepspeed_plugin is not None)
-    muon_lr = cfg.muon_lr if optimizer_name == "muon" else None
-    if acc.is_main_process:
-        log.info(
-            "optimizer: %s (train.optimizer=%s), lr %g%s, %s schedule",
-            optimizer_name,
-            cfg.optimizer,
-            cfg.lr,
-            f", Muon lr {muon_lr:g}" if muon_lr is not None else "",
-            cfg.schedule,
-        )
-        if cfg.muon_lr is not None and muon_lr is None:
-            log.warning("train.muon_lr=%g is not used: the optimizer resolved to AdamW", cfg.muon_lr)
-    identity = {
-        "train": cfg.identity(optimizer_name),
-        "total_steps": n_steps,
-        "drafter": drafter.config.to_dict(),
-        "draft_vocab": json_hash({"ids": vocab_ids.tolist()}),
-        "target": info,
-        "world_size": world,
-        **(extra_identity or {}),
-    }
-    chash = json_hash(identity)
-    out_dir = ensure_out_dir(cfg.output_dir, "train.output_dir")
-    root = checkpoints_root(out_dir)
-    resume = _resume_path(cfg, root)
-
-    # the teacher: frozen head copies on this device (the full head only where the OOV rule needs it)
-    maps = VocabMaps.from_draft_ids(vocab_ids, drafter.config.vocab_size).to(dev)
-    full_head = None
-    if head is not None:
-        full_head = TargetHead(
-            head.weight.detach().to(dev),
-            None if head.bias is None else head.bias.detach().to(dev),
-            softcap=head.softcap,
-            scale=head.scale,
-        )
-    teacher_kw = dict(
-        maps=maps,
-        form=cfg.teacher,
-        oov_rule=cfg.oov_rule,
-        temperature=cfg.teacher_temperature,
-        head=full_head,  # the OOV rule teacher, and the acceptance metrics of either rule
-        draft_rows_head=draft_head(full_head, maps)
-        if full_head is not None and cfg.oov_rule == "label"
-        else None,
-    )
-
-    drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
-    model = DistillationModel(
+    """Train ``drafter`` on this process's ``data``: :class:`Trainer` (its arguments) set up, then trained."""
+    return Trainer(
+        cfg,
         drafter,
-        cfg.step_weights,
-        bf16_head=cfg.bf16_lm_head,
-        feature_weight=cfg.feature_weight,
-        miss_weight=cfg.miss_weight,
-        loss=cfg.loss,
-        loss_weight=cfg.loss_weight,
-    )
-    optimizer = build_optimizer(
-        model,
-        optimizer_name,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        betas=cfg.betas,
-        eps=cfg.adam_eps,
-        fused=dev.type in ("cpu", "cuda"),  # one kernel per step instead of a chain of foreach ops
-        muon_lr=muon_lr,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg, n_steps))
-    _configure_deepspeed(acc, cfg)
-    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-    if acc.gradient_accumulation_steps != cfg.grad_accum:
-        raise ValueError(
-            f"the DeepSpeed config sets gradient_accumulation_steps={acc.gradient_accumulation_steps} but "
-            f'train.grad_accum={cfg.grad_accum}; set it to "auto" in the DeepSpeed config'
-        )
-
-    state = TrainerState(step=0, config_hash=chash, identity=identity, world_size=world)
-    if resume is not None:
-        loaded = load_checkpoint(
-            resume,
-            accelerator=acc,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            config_hash=chash,
-            identity=identity,
-        )
-        state = loaded.state
-        data.load_state_dict(loaded.data_state)
-        if state.best_value is not None and state.best_metric != cfg.best_metric:
-            log.warning(
-                "best/ (step %s) was picked by %s; train.best_metric is now %s: the next evaluation starts a new best",
-                state.best_step,
-                state.best_metric or "an earlier metric",
-                cfg.best_metric,
-            )
-            state.best_value = state.best_step = None
-    state.best_metric = cfg.best_metric
-    logger = MetricsLogger(
-        out_dir,
-        enabled=acc.is_main_process,
-        wandb_cfg=cfg.wandb,
-        run_config={"train": identity["train"], "drafter": drafter.config.to_dict(), "target": info},
-        resume_step=state.step if resume is not None else None,
-        wandb_id=state.wandb_id,
-    )
-    state.wandb_id = logger.wandb_id
-    start_step = state.step
-
-    eval_list: list[Batch] = []
-    if eval_data is not None:
-        eval_list = list(islice(eval_data, cfg.eval_batches) if cfg.eval_batches else eval_data)
-        eval_list = eval_list[: _min_int(acc, len(eval_list))]
-    drafter_cfg = drafter.config.to_dict()
-    last_ckpt: Path | None = resume
-    final_eval: EvalResult | None = None
-
-    def run_eval(step: int) -> EvalResult | None:
-        if not eval_list:
-            return None
-        res = evaluate(acc, model, eval_list, teacher_kw, cfg.step_weights)
-        if res is None:
-            return None
-        logger.log(step, "eval", res.to_dict())
-        if acc.is_main_process:
-            log.info(
-                "eval step %d: tau_chain %.3f tau_served %.3f tau_indep %.3f loss %.4f acc %s",
-                step,
-                res.acceptance.tau_chain,
-                res.acceptance.tau_served,
-                res.acceptance.tau_indep,
-                res.loss,
-                [round(a, 3) for a in res.acceptance.acc],
-            )
-        value = res.metric(cfg.best_metric)
-        better = state.best_value is None or (
-            value < state.best_value if cfg.best_metric == "loss" else value > state.best_value
-        )
-        if better:
-            state.best_value, state.best_step = value, step
-            weights = trainable_weights(acc, model)
-            if acc.is_main_process:
-                save_best(
-                    out_dir / "best",
-                    weights,
-                    drafter_cfg,
-                    {"step": step, "metric": cfg.best_metric, "value": value, **res.to_dict()},
-                )
-        return res
-
-    def checkpoint(step: int) -> Path:
-        state.step = step
-        return save_checkpoint(
-            root,
-            state,
-            accelerator=acc,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            data_state=data.state_dict(),
-            drafter_config=drafter_cfg,
-            keep_last=cfg.keep_last,
-        )
-
-    k = cfg.ttt_steps
-    w = torch.tensor(cfg.step_weights, device=dev)
-    batches = _Batches(data)
-    bar = tqdm(
-        total=n_steps,
-        initial=start_step,
-        desc="train",
-        dynamic_ncols=True,
-        disable=not (cfg.progress and acc.is_main_process),
-    )
-    window = _Window(k, dev)
-    run_tokens, run_start = 0, time.perf_counter()
-    last_train: dict[str, Any] = {}
-    step = start_step
-    try:
-        while step < n_steps:
-            t0 = time.perf_counter()
-            micro = [batches.next().to(dev) for _ in range(cfg.grad_accum)]
-            t1 = time.perf_counter()
-            teachers = [build_teacher(b, **teacher_kw, keep_oov=False) for b in micro]
-            n_local = sum(
-                int(supervised_positions(b).sum()) for b in micro
-            )  # OOV rows count: they are tokens
-            # one all-reduce: supervised positions (the normalizer) and tokens (TrainerState.tokens_seen)
-            counts = _sum(
-                acc, torch.tensor([float(n_local), float(sum(b.num_tokens for b in micro))], device=dev)
-            )
-            n_global = counts[:1]
-            normalizer = n_global.clamp(min=1.0) / (world * cfg.grad_accum)
-            grad_norm = None
-            for b, teacher in zip(micro, teachers):
-                with acc.accumulate(model):
-                    out = model(b.input_ids, b.aux, b.position_ids, b.segment_ids, teacher, normalizer)
-                    _check_finite(acc, out.loss, step + 1, b)
-                    acc.backward(out.loss)
-                    if acc.sync_gradients:
-                        grad_norm = acc.clip_grad_norm_(
-                            model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-                        )
-                        if grad_norm is not None and not math.isfinite(float(grad_norm)):
-                            ids = [s for mb in micro for row in mb.sample_ids for s in row]
-                            raise NonFiniteLossError(
-                                f"non-finite gradient norm at step {step + 1} (samples {ids[:20]}); the last good "
-                                "checkpoint is kept. Lower train.lr or drop these samples and resume",
-                                step=step + 1,
-                                sample_ids=ids,
-                            )
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                window.add(out, b.num_tokens)
-            if not acc.sync_gradients:
-                raise RuntimeError("accelerate's accumulation counter is out of step with train.grad_accum")
-            t2 = time.perf_counter()
-            step += 1
-            state.tokens_seen += int(counts[1].item())  # every real token of the step, all processes
-            window.n_supervised += float(n_global.item())  # already summed over processes
-            window.data_s += t1 - t0
-            window.compute_s += t2 - t1
-            bar.update(1)
-            if step % max(cfg.log_every, 1) == 0 or step == n_steps:
-                rec = window.flush(acc, w)
-                rec.update(
-                    lr=float(scheduler.get_last_lr()[0]),
-                    grad_norm=None if grad_norm is None else float(grad_norm),
-                )
-                run_tokens += rec["tokens"]
-                logger.log(step, "train", rec)
-                last_train = rec
-                bar.set_postfix(
-                    loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}"
-                )
-                log.debug("step %d %s", step, rec)
-            if cfg.eval_every and step % cfg.eval_every == 0 or step == n_steps:
-                res = run_eval(step)
-                if step == n_steps:
-                    final_eval = res
-            if cfg.save_every and step % cfg.save_every == 0 or step == n_steps:
-                last_ckpt = checkpoint(step)
-        if start_step >= n_steps:
-            log.info("nothing to train: the checkpoint is already at step %d of %d", start_step, n_steps)
-            final_eval = run_eval(step)
-    finally:
-        bar.close()
-        logger.close()
-    elapsed = time.perf_counter() - run_start
-    return TrainResult(
-        steps=step,
-        steps_this_run=step - start_step,
-        output_dir=str(out_dir),
-        resumed_from=None if resume is None else str(resume),
-        last_checkpoint=None if last_ckpt is None else str(last_ckpt),
-        best_dir=str(out_dir / "best") if state.best_value is not None else None,
-        best_value=state.best_value,
-        best_step=state.best_step,
-        final_eval=None if final_eval is None else final_eval.to_dict(),
-        last_train=last_train,
-        tokens=run_tokens,
-        train_seconds=elapsed,
-        tokens_per_s=run_tokens / elapsed if elapsed > 0 else 0.0,
-        metrics_path=str(logger.path),
-    )
+        data,
+        eval_data,
+        head=head,
+        target_info=target_info,
+        accelerator=accelerator,
+        extra_identity=extra_identity,
+    ).train()
 
 
 class _Window:
@@ -665,6 +860,13 @@ class _Window:
         self.n_supervised = 0.0
         self.data_s = self.compute_s = 0.0
         self.start = time.perf_counter()
+
+    def add_step(self, step: StepOutput, data_s: float, compute_s: float) -> None:
+        for out, tokens in zip(step.losses, step.tokens):
+            self.add(out, tokens)
+        self.n_supervised += step.supervised  # already summed over processes
+        self.data_s += data_s
+        self.compute_s += compute_s
 
     def add(self, out, tokens: int) -> None:
         self.ce += out.ce_sum
