@@ -535,8 +535,8 @@ class Trainer:
             weight_decay=cfg.weight_decay,
             betas=cfg.betas,
             eps=cfg.adam_eps,
-            fused=self.device.type
-            in ("cpu", "cuda"),  # one kernel per step instead of a chain of foreach ops
+            # fused: one kernel per step instead of a chain of foreach ops
+            fused=self.device.type in ("cpu", "cuda"),
             muon_lr=cfg.muon_lr if self.optimizer_name == "muon" else None,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg, self.total_steps))
@@ -580,14 +580,11 @@ class Trainer:
         cfg = self.cfg
         if state.best_value is None:
             return
+        k = _best_chain_length(self.out_dir)
         if state.best_metric != cfg.best_metric:
             why = f"was picked by {state.best_metric or 'an earlier metric'}; train.best_metric is now {cfg.best_metric}"
-        elif cfg.best_metric != "loss" and _best_chain_length(self.out_dir) != cfg.eval_chain_length:
-            k = _best_chain_length(self.out_dir)
-            why = (
-                f"was picked on chains of {k or 'train.ttt_steps'} drafts; train.eval_chain_length is now "
-                f"{cfg.eval_chain_length}"
-            )
+        elif cfg.best_metric != "loss" and k != cfg.eval_chain_length:
+            why = f"was picked on chains of {k or 'ttt_steps'} drafts; train.eval_chain_length is now {cfg.eval_chain_length}"
         else:
             return
         log.warning("best/ (step %s) %s: the next evaluation starts a new best", state.best_step, why)
