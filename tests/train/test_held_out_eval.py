@@ -178,3 +178,25 @@ def test_a_best_measured_at_another_chain_length_is_not_compared(tmp_path, chain
         assert again.best_step == 4 and math.isfinite(again.best_value) and again.best_value < 100.0
         assert TrainerState.read(tmp_path / "checkpoints" / "step_00000004").best_step == 4
         assert json.loads((tmp_path / "best" / "metrics.json").read_text())["chain_length"] == 3
+
+
+def test_the_spread_study_measures_the_spread_of_one_estimate_and_of_a_choice():
+    """eyas.lab.held_out_spread on made-up counts: batches that all agree have no spread; a checkpoint better on
+    every batch is chosen from any set of them; two checkpoints that differ by noise are chosen either way."""
+    from eyas.lab.held_out_spread import spread
+
+    def counts(hits: list[float]) -> torch.Tensor:  # [n_batches, 6, K = 1]: 10 chains per batch
+        c = torch.zeros(len(hits), 6, 1)
+        c[:, 0] = c[:, 2] = c[:, 4] = 10.0
+        c[:, 1, 0] = c[:, 3, 0] = c[:, 5, 0] = torch.tensor(hits)
+        return c
+
+    same = spread({"step_1": counts([5.0] * 8), "step_2": counts([6.0] * 8)}, draws=50)
+    assert [r["n"] for r in same] == [1, 2, 4]
+    assert all(r["std_tau_served"] < 1e-12 and r["wrong_sign"] == 0 for r in same)
+    g = torch.Generator().manual_seed(0)
+    noisy = [float(x) for x in torch.randint(0, 11, (64,), generator=g)]
+    rows = spread({"step_1": counts(noisy), "step_2": counts(noisy[::-1])}, draws=200)
+    assert rows[0]["std_tau_served"] > rows[-1]["std_tau_served"] > 0  # more batches, less spread
+    assert rows[0]["std_from_halves"] == pytest.approx(rows[0]["std_tau_served"], rel=0.3)
+    assert 0.2 < rows[0]["wrong_sign"] < 0.8  # same batches in another order: a coin flip at one batch
