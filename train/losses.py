@@ -40,7 +40,10 @@ Design decisions:
   independence assumption. Both count out-of-vocabulary teacher tokens as rejections, whatever the OOV rule:
   with ``oov_rule=label`` a row whose data token is a draft token still trains on the in-draft distribution,
   but when the target's full-vocabulary argmax is not a draft token it counts as a miss (served, that draft is
-  always rejected), so evaluation always needs the full argmax (the full head for ``hidden`` teachers).
+  always rejected), so evaluation always needs the full argmax (the full head for ``hidden`` teachers). A hit is
+  the drafter's draft token mapped to its target id equal to that argmax (ties to the lowest id), as serving
+  scores it. The chains are ``chain_steps`` drafts long (``train.eval_chain_length``), whatever the training
+  unroll's length: evaluation unrolls the longer of the two and weighs only the training steps in its loss.
 """
 
 from __future__ import annotations
@@ -358,8 +361,8 @@ def objective_argmax(
 class ChainCounts:
     """Acceptance statistics of one batch, summed over rows; add them up across batches and processes.
 
-    Per step j: ``counted`` rows (supervised, in-vocabulary or not), ``correct`` (draft argmax == teacher argmax;
-    an out-of-vocabulary teacher token is never correct), ``reach`` (rows whose steps 0..j-1 were all correct
+    Per step j: ``counted`` rows (supervised, in-vocabulary or not), ``correct`` (the drafter's draft token is the
+    target's greedy token, as serving scores it; an out-of-vocabulary teacher token is never correct), ``reach`` (rows whose steps 0..j-1 were all correct
     with the data continuing along the teacher's argmax, and step j is counted) and ``hits`` (reach and correct).
     """
 
