@@ -16,6 +16,7 @@ The DictConfig becomes a typed :class:`~train.config.TrainJob` here; only datacl
 from __future__ import annotations
 
 import logging
+import sys
 
 from omegaconf import DictConfig
 
@@ -31,10 +32,15 @@ def train_job(cfg: DictConfig) -> TrainJob:
     return load_job(cfg, TrainJob)
 
 
-def train(job: TrainJob) -> None:
+def train(job: TrainJob) -> int | None:
+    from eyas.train.guards import TrainingInterrupted
     from eyas.train.setup import run
 
-    result = run(job)
+    try:
+        result = run(job)
+    except TrainingInterrupted as e:  # a checkpoint is saved: one line, and the shell's status for the signal
+        print(f"stopped: {e}", file=sys.stderr)
+        return e.exit_code
     log.info(
         "training done: %d steps, best %s=%s at step %s, %s",
         result.steps,
@@ -43,6 +49,7 @@ def train(job: TrainJob) -> None:
         result.best_step,
         result.output_dir,
     )
+    return None
 
 
 COMMAND = Command("train", "eyas.train", "config", TrainJob, train)

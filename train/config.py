@@ -301,7 +301,11 @@ class TrainConfig:
     eval_every: int = 200
     """Steps between simulated-acceptance evaluations on the held-out split (0: only at the end)."""
     eval_batches: int | None = None
-    """Held-out micro-batches per evaluation (None: all)."""
+    """Held-out micro-batches per evaluation (None or 0: all); only these are read from the held-out split."""
+    eval_chain_length: int = 6
+    """K of the held-out τ estimates (``tau_chain``, ``tau_served``, ``tau_indep``): the evaluation unrolls the
+    drafter this many steps, whatever ``ttt_steps`` is, so τ_sim compares across TTT settings and measures the
+    chain length served (the bundled evaluation's default chain is 6 drafts)."""
     save_every: int = 200
     """Steps between checkpoints (0: only at the end)."""
     keep_last: int = 2
@@ -357,6 +361,12 @@ class TrainConfig:
             raise ValueError(f"train.max_grad_norm must be >= 0, not {self.max_grad_norm}")
         if self.ttt_steps < 1:
             raise ValueError(f"train.ttt_steps must be >= 1, not {self.ttt_steps}")
+        if self.eval_chain_length < 1:
+            raise ValueError(f"train.eval_chain_length must be >= 1, not {self.eval_chain_length}")
+        if self.eval_batches is not None and self.eval_batches < 0:
+            raise ValueError(
+                f"train.eval_batches must be >= 0 or null (0, null: all), not {self.eval_batches}"
+            )
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"train.step_decay must be in (0, 1], not {self.step_decay}")
         if self.teacher not in TEACHERS:
@@ -410,6 +420,7 @@ class TrainConfig:
             "output_dir",
             "eval_every",
             "eval_batches",
+            "eval_chain_length",
             "save_every",
             "keep_last",
             "resume",

@@ -40,7 +40,10 @@ Design decisions:
   independence assumption. Both count out-of-vocabulary teacher tokens as rejections, whatever the OOV rule:
   with ``oov_rule=label`` a row whose data token is a draft token still trains on the in-draft distribution,
   but when the target's full-vocabulary argmax is not a draft token it counts as a miss (served, that draft is
-  always rejected), so evaluation always needs the full argmax (the full head for ``hidden`` teachers).
+  always rejected), so evaluation always needs the full argmax (the full head for ``hidden`` teachers). A hit is
+  the drafter's draft token mapped to its target id equal to that argmax (ties to the lowest id), as serving
+  scores it. The chains are ``chain_steps`` drafts long (``train.eval_chain_length``), whatever the training
+  unroll's length: evaluation unrolls the longer of the two and weighs only the training steps in its loss.
 """
 
 from __future__ import annotations
@@ -198,7 +201,10 @@ def build_teacher(
     else:
         lp = batch.topk_logprobs[row_b, row_p].float()  # [N, k] log-probs over the full vocabulary
         ids = batch.topk_ids[row_b, row_p].long()  # [N, k]
-        target_argmax = ids.gather(1, lp.argmax(-1, keepdim=True))[:, 0]
+        # the target's greedy token, ties broken as the target's own argmax over its logits breaks them (lowest
+        # id first), not by the order the engine listed its top-k in
+        top_lp = lp == lp.amax(-1, keepdim=True)
+        target_argmax = torch.where(top_lp, ids, torch.iinfo(ids.dtype).max).amin(-1)
         draft_ids = maps.target_to_draft[ids]  # [N, k], -1 outside
         if temperature != 1.0:  # p ** (1/T), scaled so the largest is 1 (renormalised below)
             lp = (lp - lp.amax(-1, keepdim=True)) / temperature
@@ -355,8 +361,8 @@ def objective_argmax(
 class ChainCounts:
     """Acceptance statistics of one batch, summed over rows; add them up across batches and processes.
 
-    Per step j: ``counted`` rows (supervised, in-vocabulary or not), ``correct`` (draft argmax == teacher argmax;
-    an out-of-vocabulary teacher token is never correct), ``reach`` (rows whose steps 0..j-1 were all correct
+    Per step j: ``counted`` rows (supervised, in-vocabulary or not), ``correct`` (the drafter's draft token is the
+    target's greedy token, as serving scores it; an out-of-vocabulary teacher token is never correct), ``reach`` (rows whose steps 0..j-1 were all correct
     with the data continuing along the teacher's argmax, and step j is counted) and ``hits`` (reach and correct).
     """
 
@@ -454,10 +460,12 @@ def ttt_loss(
     miss_weight: float = 0.0,
     loss: str = "fkl",
     loss_weight: float | None = None,
+    chain_steps: int | None = None,
 ) -> LossOutput:
     """The weighted per-row objective ``loss`` (:data:`OBJECTIVES`; soft cross-entropy by default) of a TTT
     unroll (see the module docstring); ``with_chain`` also scores the out-of-vocabulary rows and returns the
-    acceptance counts (evaluation).
+    acceptance counts (evaluation) of chains of ``chain_steps`` drafts (default: every unrolled step; at most the
+    unroll's length).
 
     ``miss_weight`` > 0 (training only) weighs the rows a served chain starts from more: drafter row ``t`` gets
     ``1 + miss_weight`` at every step when step 0 of row ``t - 1`` missed ``x_{t+1}``, since a greedy chain is
@@ -467,7 +475,9 @@ def ttt_loss(
     if len(step_weights) != k:
         raise ValueError(f"{len(step_weights)} step weights for {k} TTT steps")
     if with_chain:
-        return _loss_with_chain(drafter, out, teacher, input_ids, step_weights, normalizer, loss, loss_weight)
+        return _loss_with_chain(
+            drafter, out, teacher, input_ids, step_weights, normalizer, chain_steps or k, loss, loss_weight
+        )
     dev = input_ids.device
     # Rows are taken in teacher order: at step j, teacher row n (position p_n) is predicted by drafter row
     # t_n = p_n - j - 1, so the teacher table is never gathered per step (it is the big [N, V_draft] tensor).
@@ -498,12 +508,22 @@ def ttt_loss(
 
 
 def _loss_with_chain(
-    drafter, out, teacher, input_ids, step_weights, normalizer, loss="fkl", loss_weight=None
+    drafter, out, teacher, input_ids, step_weights, normalizer, chain_steps, loss="fkl", loss_weight=None
 ) -> LossOutput:
-    """Evaluation: every supervised row is scored (out-of-vocabulary teacher tokens as misses), per row."""
+    """Evaluation: every supervised row is scored (out-of-vocabulary teacher tokens as misses), per row; the
+    acceptance counts cover the first ``chain_steps`` steps (the chain length simulated).
+
+    A hit is scored as serving scores it: the drafter's draft token (the argmax of its draft logits, as the
+    proposer takes it) mapped to its target id equals the target's greedy token (its full-vocabulary argmax,
+    ties to the lowest id). Comparing the draft index with the argmax of the teacher's draft-vocabulary
+    probabilities instead broke ties in draft-index order, which differs from target-id order under a draft
+    vocabulary not sorted by id (an imported one) and where rounding ties two probabilities."""
     b, t = input_ids.shape
     k = len(out.hidden)
+    if not 1 <= chain_steps <= k:
+        raise ValueError(f"chains of {chain_steps} drafts from an unroll of {k} steps")
     dev = input_ids.device
+    draft_to_target = drafter.draft_to_target.to(dev)  # [Vd]
     # teacher row of position t + j + 1, for every j at once: index padded on the right
     index = torch.cat([teacher.index, teacher.index.new_full((b, k + 1), -1)], dim=1)  # [B, T + K + 1]
     ids_ext = torch.cat([input_ids, input_ids.new_zeros(b, k + 2)], dim=1)  # [B, T + K + 2]
@@ -520,7 +540,7 @@ def _loss_with_chain(
         ce, top = objective_argmax(z, teacher.probs[trow], loss, loss_weight)
         # a hit needs the target's own argmax to be a draft token: with oov_rule=label a row can carry loss
         # (its data token is a draft token) while the argmax is not, and the served draft is then always rejected
-        hit = (top == teacher.draft_argmax[trow]) & ok & teacher.argmax_in_draft[trow]
+        hit = (draft_to_target[top] == teacher.target_argmax[trow]) & ok & teacher.argmax_in_draft[trow]
         s = (ce * ok).sum()
         total = total + step_weights[j] * s
         ce_sum.append(s.detach())
@@ -533,9 +553,12 @@ def _loss_with_chain(
         counted_rows.append(rows)
         correct_rows.append(hit_rows)
         faithful_rows.append(follows)
+    counted_rows, correct_rows, faithful_rows = (
+        x[:chain_steps] for x in (counted_rows, correct_rows, faithful_rows)
+    )
     alive = torch.ones(b, t, dtype=torch.bool, device=dev)
     reach, hits, counted, correct_all = [], [], [], []
-    for j in range(k):
+    for j in range(chain_steps):
         r = alive & counted_rows[j]
         reach.append(r.sum())
         hits.append((r & correct_rows[j]).sum())
@@ -620,9 +643,16 @@ class DistillationModel(nn.Module):
         teacher: Teacher,
         normalizer: torch.Tensor | float,
         with_chain: bool = False,
+        chain_steps: int | None = None,
     ) -> LossOutput:
+        """``with_chain`` (evaluation): also the acceptance counts of chains of ``chain_steps`` drafts (default:
+        the training unroll's length). The unroll then runs ``max(chain_steps, TTT steps)`` steps; the steps past
+        the training unroll weigh 0 in the loss, so the loss stays the training objective."""
+        weights = self.step_weights
+        if with_chain and chain_steps is not None and chain_steps > len(weights):
+            weights = weights + [0.0] * (chain_steps - len(weights))
         out = self.drafter.forward_ttt(
-            input_ids, aux, steps=len(self.step_weights), position_ids=position_ids, segment_ids=segment_ids
+            input_ids, aux, steps=len(weights), position_ids=position_ids, segment_ids=segment_ids
         )
         # bf16_head opens an autocast of its own; otherwise the head runs in the ambient precision (under
         # train.precision=bf16, accelerate's autocast: an enabled=False context here would turn it off)
@@ -635,12 +665,13 @@ class DistillationModel(nn.Module):
                 out,
                 teacher,
                 input_ids,
-                self.step_weights,
+                weights,
                 normalizer,
                 with_chain,
                 miss_weight=0.0 if with_chain else self.miss_weight,
                 loss=self.loss,
                 loss_weight=self.loss_weight,
+                chain_steps=chain_steps,
             )
         if self.feature_weight > 0 and not with_chain:
             feat = feature_loss(out, teacher, self.step_weights)

@@ -1,6 +1,6 @@
 """Setup for a training run: the drafter for a target, its draft vocabulary, and the data sources.
 
-``python -m eyas.train`` and the pipeline go setup -> :func:`train.loop.fit`; tests call these pieces directly.
+``python -m eyas.train`` and the pipeline go setup -> :func:`train.trainer.fit`; tests call these pieces directly.
 
 Design decisions:
 - The drafter's sizes, rope and positions come from the target (``DrafterConfig.from_target``); its embedding
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -272,9 +273,12 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
     evals: list[Any] = []
     if ef > 0:
         try:
-            evals = list(make("eval", shuffle=False, loss_on="assistant"))  # τ_sim: the assistant's tokens
+            held_out = make("eval", shuffle=False, loss_on="assistant")  # τ_sim: the assistant's tokens
         except ValueError as e:
             log.warning("no held-out batches (%s): simulated acceptance will not be measured", e)
+        else:
+            # decoded here and kept for the whole run: only the batches an evaluation uses
+            evals = list(islice(held_out, cfg.eval_batches) if cfg.eval_batches else held_out)
     source = train.source
     counts = count_loss_tokens(_token_rows(source, train.candidates), target.vocab_size)
     identity.update(loader=lc, eval_fraction=ef)
@@ -300,7 +304,7 @@ def synthetic_run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunDa
     d = synthetic_data(target, s, rank=rank, world=world)
     return RunData(
         train=ListSource(d.train, shuffle=s.shuffle, seed=cfg.seed),
-        eval=d.eval,
+        eval=d.eval[: cfg.eval_batches] if cfg.eval_batches else d.eval,
         vocab_counts=d.vocab_counts,
         identity={"data": {"source": "synthetic", **asdict(s)}},
     )
@@ -325,17 +329,30 @@ def _without_zero3_init(accelerator):
 
 def run(job: TrainJob, target=None):
     """Load the target (unless given, as the pipeline does), build the data, the draft vocabulary and the drafter,
-    and train (every process). The stage's one entry point: ``python -m eyas.train`` and the pipeline call it."""
-    from dataclasses import replace
+    and train (every process). The stage's one entry point: ``python -m eyas.train`` and the pipeline call it.
+    The output directory is locked first (``train.guards``): a second trainer into it stops before loading."""
+    from eyas.train.guards import OutputDirLock
+    from eyas.train.trainer import make_accelerator
 
-    from eyas.serving.models.target import load_target
-    from eyas.train.loop import fit, make_accelerator
-
-    target_cfg, drafter_cfg, cfg = job.target, job.drafter, job.train
-    ensure_out_dir(cfg.output_dir, "train.output_dir")  # before minutes of loading, not after
+    cfg = job.train
+    out_dir = ensure_out_dir(cfg.output_dir, "train.output_dir")  # before minutes of loading, not after
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     acc = make_accelerator(cfg)
+    lock = OutputDirLock(out_dir, acc)
+    try:
+        return _run_locked(job, acc, target)
+    finally:
+        lock.release()
+
+
+def _run_locked(job: TrainJob, acc, target):
+    from dataclasses import replace
+
+    from eyas.serving.models.target import load_target
+    from eyas.train.trainer import fit
+
+    target_cfg, drafter_cfg, cfg = job.target, job.drafter, job.train
     if target is None:
         if target_cfg.device == "auto":
             target_cfg = replace(target_cfg, device=str(acc.device))

@@ -1,6 +1,6 @@
 """Drafter-training throughput and peak memory on this machine: ``python -m eyas.lab.bench_train``.
 
-What it measures: the real training step of :func:`train.loop.fit` (teacher from the stored final hidden state
+What it measures: the real training step of :func:`train.trainer.fit` (teacher from the stored final hidden state
 through the frozen target head, TTT unroll, loss, backward, optimizer step), for the embedded default target
 (SmolLM2-135M-Instruct), 512-token samples (one per micro-batch; ``bench_train.seq_len=[512,2048,8192]`` for long rows), TTT 7,
 over draft vocabularies and precisions.
@@ -156,8 +156,8 @@ def run_child(args: SimpleNamespace) -> dict[str, Any]:
     from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
     from eyas.serving.models.target import TargetHead
     from eyas.train.config import TrainConfig
-    from eyas.train.loop import fit
     from eyas.train.sources import ListSource
+    from eyas.train.trainer import fit
     from eyas.train.vocab import build_draft_vocab
 
     logging.basicConfig(level=logging.WARNING)

@@ -265,17 +265,20 @@ def test_a_recipe_variant_with_a_bad_setting_stops_before_the_target_is_loaded(m
 
 # ------------------------------------------------------------------ the micro-benchmarks are Hydra apps too
 def _bench_commands():
-    from eyas.lab import bench_context, bench_extract, bench_served, bench_train
+    from eyas.lab import bench_context, bench_extract, bench_served, bench_train, held_out_spread
 
     return {
         "bench_train": (bench_train, bench_train.BenchTrainConfig, "steps", "abc", "int"),
         "bench_extract": (bench_extract, bench_extract.BenchExtractConfig, "samples", "many", "int"),
         "bench_context": (bench_context, bench_context.BenchContextConfig, "lr", "fast", "float"),
         "bench_served": (bench_served, bench_served.BenchServedConfig, "chain_length", "six", "int"),
+        "held_out_spread": (held_out_spread, held_out_spread.HeldOutSpreadConfig, "draws", "many", "int"),
     }
 
 
-@pytest.mark.parametrize("name", ["bench_train", "bench_extract", "bench_context", "bench_served"])
+@pytest.mark.parametrize(
+    "name", ["bench_train", "bench_extract", "bench_context", "bench_served", "held_out_spread"]
+)
 def test_micro_benchmarks_are_hydra_apps_that_name_a_bad_override(name, monkeypatch, tmp_path, capsys):
     module, cls, key, bad, expected = _bench_commands()[name]
     cfg = build_config(cls, _compose(name, [])[name], name)

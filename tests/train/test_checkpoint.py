@@ -19,9 +19,9 @@ from eyas.train.checkpoint import (
     save_best,
     save_checkpoint,
 )
-from eyas.train.loop import fit
 from eyas.train.losses import DistillationModel
 from eyas.train.sources import ListSource
+from eyas.train.trainer import fit
 from tests.train.test_trainer import tiny_cfg, tiny_setup
 
 

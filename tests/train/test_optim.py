@@ -12,9 +12,9 @@ import torch
 
 from eyas.train.checkpoint import load_weights
 from eyas.train.config import TrainConfig
-from eyas.train.loop import cosine_with_warmup, fit, lr_schedule, wsd_with_warmup
 from eyas.train.optim import MuonWithAdamW, build_optimizer, resolve_optimizer
 from eyas.train.sources import ListSource
+from eyas.train.trainer import cosine_with_warmup, fit, lr_schedule, wsd_with_warmup
 from tests.train.test_trainer import tiny_cfg, tiny_setup
 
 

@@ -16,11 +16,11 @@ import torch
 
 from eyas.train.checkpoint import CheckpointMismatchError, TrainerState, latest_checkpoint, load_weights
 from eyas.train.config import DraftModelConfig, SyntheticDataConfig, TrainConfig
-from eyas.train.loop import EmptyDataError, NonFiniteLossError, evaluate, fit
 from eyas.train.losses import DistillationModel, VocabMaps, build_teacher
 from eyas.train.setup import build_drafter
 from eyas.train.sources import ListSource
 from eyas.train.synthetic import synthetic_data
+from eyas.train.trainer import EmptyDataError, NonFiniteLossError, evaluate, fit
 from eyas.train.vocab import build_draft_vocab
 from tests.conftest import make_tiny_target
 
@@ -87,7 +87,7 @@ CHILD = """
 import sys, torch
 sys.path.insert(0, {repo!r})
 from tests.train.test_trainer import SlowSource, tiny_cfg, tiny_setup
-from eyas.train.loop import fit
+from eyas.train.trainer import fit
 torch.set_num_threads(1)  # after the imports: tests/conftest.py sets its own count
 target, drafter, data = tiny_setup()
 fit(tiny_cfg({out!r}), drafter, SlowSource(data.train, 0.3), data.eval, head=target.head, target_info=target.info)
