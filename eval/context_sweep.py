@@ -14,8 +14,7 @@ Design decisions:
 - The prefix comes from the corpus's held-out split by default, and each prompt gets a different one (``offset``).
 - ``eval.diagnose`` reads the JSON written here (``diagnose.tau_context=<path>``) to price each length with the τ measured
   at that length.
-- Intervals: a seeded bootstrap over prompts (:func:`bootstrap_intervals`, 95%), small so that a shared interval
-  helper can replace it.
+- Intervals: 95%, the seeded bootstrap over prompts of :mod:`eyas.eval.intervals` (:func:`bootstrap_intervals`).
 - Context grown by the target's own answer (``answer_tokens``): the prompts of the shortest length are generated
   that long and each
   verify step is put in the bin of the largest length <= its context (points of ``kind="answer"``), beside the
@@ -34,11 +33,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from eyas.command import Command, command_line
 from eyas.common import ConfigError, build_config, json_hash
 from eyas.eval.acceptance import AcceptanceResult, PromptSetSpec, default_methods, run_acceptance
+from eyas.eval.intervals import bootstrap
 from eyas.serving.models.target import Target, TargetConfig
 from eyas.serving.verify import SamplingConfig
 
@@ -266,15 +267,14 @@ def bootstrap_intervals(
     groups = [g for g in _per_prompt(records, prompt_steps) if g]
     if resamples <= 0 or len(groups) < 2:
         return [], []
-    emitted = torch.tensor([sum(r[3] + 1 for r in g) for g in groups], dtype=torch.float64)
-    steps = torch.tensor([len(g) for g in groups], dtype=torch.float64)
-    busy = torch.tensor([sum(r[1] + r[2] for r in g) for g in groups], dtype=torch.float64)
-    pick = torch.randint(len(groups), (resamples, len(groups)), generator=torch.Generator().manual_seed(seed))
-    tau = emitted[pick].sum(1) / steps[pick].sum(1)
-    rate = emitted[pick].sum(1) / busy[pick].sum(1).clamp(min=1e-12)
-    tps = tokens_per_s * rate / (emitted.sum() / busy.sum().clamp(min=1e-12))
-    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
-    return torch.quantile(tau, q).tolist(), torch.quantile(tps, q).tolist()
+    emitted = np.array([sum(r[3] + 1 for r in g) for g in groups], dtype=float)
+    steps = np.array([len(g) for g in groups], dtype=float)
+    busy = np.array([sum(r[1] + r[2] for r in g) for g in groups], dtype=float)
+    n = len(groups)
+    tau = bootstrap(lambda i: emitted[i].sum(-1) / steps[i].sum(-1), n, seed=seed, resamples=resamples)
+    rate = bootstrap(lambda i: emitted[i].sum(-1) / busy[i].sum(-1), n, seed=seed, resamples=resamples)
+    scale = tokens_per_s / max(rate.estimate, 1e-12)  # the measured tokens/s at the whole set's rate
+    return [tau.low, tau.high], [rate.low * scale, rate.high * scale]
 
 
 def answer_points(
