@@ -22,5 +22,6 @@ def test_a_truncated_deepspeed_checkpoint_file_is_named_with_the_way_out(tiny_ta
     r = _accelerate_run("zero2_cpu", 1, [*_overrides(tiny_target_dir, tmp_path, 1), "train.resume=auto"])
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
-    assert "DamagedCheckpointError" in out and str(ckpt) in out and "train.resume=never" in out, out[-3000:]
+    # one line naming the damaged file and the way out (eyas.command prints data errors without the class name)
+    assert "is damaged" in out and str(ckpt) in out and "train.resume=never" in out, out[-3000:]
     assert Path(ckpt).exists()  # nothing was deleted on the way out
