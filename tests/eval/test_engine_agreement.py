@@ -1,4 +1,4 @@
-"""The engine agreement check can fail (eval/engine.py: check_agreement): an export that an engine serves wrong
+"""The engine agreement check can fail (eval/engine_eval.py: check_agreement): an export that an engine serves wrong
 is told from one it serves right, and a drafter too weak to tell them apart gives "inconclusive", not a pass.
 
 No vLLM here: :func:`serve_like_vllm` stands in for it. It does with an export directory what vLLM does: reads the
