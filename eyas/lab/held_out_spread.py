@@ -17,6 +17,16 @@ loader settings are the run's (``batch_rows``, ``max_tokens``); the supervised t
 another batch shape converts by token count (a spread falls as one over the square root of the tokens).
 
 A Hydra app like every command (``conf/held_out_spread.yaml``, typed by :class:`HeldOutSpreadConfig`).
+
+The run behind ``train.eval_batches``'s default (the demo's data and recipe, with 30% of the store held out so
+that there are enough held-out batches to draw from; ``W`` a scratch directory)::
+
+    EYAS_WORK=W python -m eyas.data.prepare corpus=demo prepare=demo
+    python -m eyas.data.extract extract.samples=W/prepare/<hash>/train/samples.jsonl extract.out_dir=W/store
+    python -m eyas.train train=demo train.save_every=100 train.keep_last=2 train.eval_every=0 \
+        train.data.eval_fraction=0.3 train.data.store_dir=W/store train.output_dir=W/train
+    python -m eyas.lab.held_out_spread held_out_spread.run_dir=W/train held_out_spread.store_dir=W/store \
+        held_out_spread.eval_fraction=0.3 held_out_spread.draws=1000
 """
 
 from __future__ import annotations
