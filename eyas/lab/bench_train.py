@@ -78,6 +78,15 @@ class BenchTrainConfig:
     """Also write the results as JSON here."""
     attention: list[str] | None = None
     """Time the TTT attention alone instead of training: ``[block]``, ``[dense]`` or both (``[]`` = both)."""
+    rope_scaling: dict[str, Any] | None = None
+    """The embedded target's rope scaling (as ``target.rope_scaling``), e.g. ``{rope_type: yarn, factor: 4.0,
+    original_max_position_embeddings: 8192}`` (``target=smollm2_yarn``) for rows beyond its 8k window; the drafter's
+    config takes it from the target as training does."""
+    features: str = "target"
+    """``target``: the target's own features of the random rows (one target forward per sample; ~5 min for a 32k
+    row on 2 cores). ``random``: Gaussian aux and final hidden states of the same shapes and dtype, no target
+    forward. A step's tokens/s and memory depend on the shapes, not on the values, so ``random`` measures long rows
+    at the cost of the training alone."""
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.modes) - set(MODES))
@@ -89,20 +98,33 @@ class BenchTrainConfig:
             raise ValueError(f"bench_train.oov must be 'teacher' or 'label', not {self.oov!r}")
         if self.attention is not None and set(self.attention) - {"block", "dense"}:
             raise ValueError(f"bench_train.attention: 'block' and/or 'dense', not {self.attention}")
+        if self.features not in ("target", "random"):
+            raise ValueError(f"bench_train.features must be 'target' or 'random', not {self.features!r}")
         if min(self.vocab + self.seq_len + [self.samples, self.steps, self.threads, self.ttt]) < 1:
             raise ValueError("bench_train: vocab, seq_len, samples, steps, threads and ttt must be positive")
 
 
-def make_bundle(path: Path, samples: int, seq_len: int, loss_fraction: float) -> None:
-    """Run the embedded target over random sequences and save everything the children need."""
+def make_bundle(
+    path: Path,
+    samples: int,
+    seq_len: int,
+    loss_fraction: float,
+    rope_scaling: dict[str, Any] | None = None,
+    features: str = "target",
+) -> None:
+    """Run the embedded target over random sequences (or draw random features, ``features="random"``) and save
+    everything the children need."""
     from eyas.serving.models.drafter import DrafterConfig
     from eyas.serving.models.target import TargetConfig, load_target
     from eyas.train.synthetic import batches_from_sequences, random_sequences
     from eyas.train.vocab import count_loss_tokens
 
-    target = load_target(TargetConfig(device="cpu"))
+    target = load_target(TargetConfig(device="cpu", rope_scaling=rope_scaling))
     seqs, masks = random_sequences(samples, seq_len, target.vocab_size, loss_fraction, seed=0)
-    batches = batches_from_sequences(target, seqs, masks, batch_size=1, teacher="hidden")
+    if features == "random":
+        batches = random_feature_batches(target, seqs, masks)
+    else:
+        batches = batches_from_sequences(target, seqs, masks, batch_size=1, teacher="hidden")
     base = DrafterConfig.from_target(target.model.config, list(target.aux_layers), 1).to_dict()
     torch.save(
         {
@@ -119,6 +141,27 @@ def make_bundle(path: Path, samples: int, seq_len: int, loss_fraction: float) ->
         },
         path,
     )
+
+
+def random_feature_batches(target, seqs: list[torch.Tensor], masks: list[torch.Tensor]) -> list:
+    """One batch per sequence with Gaussian aux [n, A * H] and final hidden [n, H] states in the target's dtype,
+    the shapes :func:`train.synthetic.sample_features` gives, without running the target."""
+    from eyas.train.sources import SampleFeatures, collate
+
+    g = torch.Generator().manual_seed(0)
+    width = len(target.aux_layers) * target.hidden_size
+    out = []
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        n = s.numel()
+        feats = SampleFeatures(
+            id=f"s{i}",
+            input_ids=s.long(),
+            loss_mask=m.bool(),
+            aux=torch.randn(n, width, generator=g).to(target.dtype),
+        )
+        feats.target_hidden = torch.randn(n, target.hidden_size, generator=g).to(target.dtype)
+        out.append(collate([feats]))
+    return out
 
 
 class PeakRSS:
@@ -302,7 +345,7 @@ def _train_runs(args: BenchTrainConfig, seq_len: int) -> list[dict[str, Any]]:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         bundle = Path(tmp) / "bundle.pt"
-        make_bundle(bundle, args.samples, seq_len, args.loss_fraction)
+        make_bundle(bundle, args.samples, seq_len, args.loss_fraction, args.rope_scaling, args.features)
         for v in args.vocab:
             for mode in args.modes:
                 res = {
