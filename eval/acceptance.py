@@ -116,10 +116,18 @@ class MethodSpec:
     """Draft tokens per step (K) for chains; prompt lookup's draft length."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Tree shape when ``mode == "tree"``."""
+    attention_window: int | None = None
+    """eagle3 only: the drafter's attention window (:class:`serving.proposers.Eagle3ProposerConfig`: None its own,
+    0 full attention, n > 0 a window of n tokens), so one run measures the same drafter at several windows."""
 
     def __post_init__(self) -> None:
         if self.chain_length < 1:
             raise ValueError(f"method {self.name}: chain_length (K) must be >= 1, got {self.chain_length}")
+        if self.attention_window is not None and (self.kind != "eagle3" or self.attention_window < 0):
+            raise ValueError(
+                f"method {self.name}: attention_window is the EAGLE-3 drafter's (None, 0 for full attention or a "
+                f"positive token count), not {self.attention_window} for a {self.kind} method"
+            )
         if self.mode == "tree" and self.kind != "eagle3":
             raise ValueError(f"method {self.name}: tree drafting needs the eagle3 drafter")
         if isinstance(self.tree, dict):
@@ -148,7 +156,8 @@ def make_proposer(spec: MethodSpec, drafter: Eagle3Drafter | None) -> Proposer:
         return PromptLookupProposer(PromptLookupConfig(num_tokens=spec.chain_length))
     if drafter is None:
         raise ValueError(f"method {spec.name} needs an EAGLE-3 drafter")
-    return Eagle3Proposer(drafter, Eagle3ProposerConfig(chain_length=spec.chain_length, tree=spec.tree))
+    cfg = Eagle3ProposerConfig(spec.chain_length, spec.tree, spec.attention_window)
+    return Eagle3Proposer(drafter, cfg)
 
 
 @dataclass
