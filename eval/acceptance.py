@@ -375,19 +375,24 @@ def run_acceptance(
         raise ValueError("no drafting methods to evaluate")
     plan = plan_run(methods, target, baseline, sampling.greedy)
     proposers = {m.name: make_proposer(m, drafter) for m in plan.methods}
+    # a target decoding one method only (the sdpa baseline) gains nothing from a kept copy of its prefill
+    shared = Counter(id(t) for t in plan.targets.values())
+
+    def memo_for(on: Target, memo: PrefillMemo | None) -> PrefillMemo | None:
+        return memo if shared[id(on)] > 1 else None
+
     first = next(p for _, p in prompt_sets.values() if p)[0]
+    memo = PrefillMemo() if share_prefill else None
     for m in plan.methods:  # fail on a mismatched drafter before the long run, and warm every path up
         on = plan.targets[m.name]
         proposers[m.name].reset(torch.as_tensor(first), target=on.info, max_len=len(first) + 8)
         if warmup:
-            generate(on, proposers[m.name], first, 8, sampling, mode=m.mode)
+            generate(on, proposers[m.name], first, 8, sampling, mode=m.mode, prefill_memo=memo_for(on, memo))
 
     results: list[SetMethodResult] = []
     total = sum(len(p) for _, p in prompt_sets.values()) * len(plan.methods)
     bar = tqdm(total=total, desc="acceptance", unit="gen")
     index = 0
-    # a target decoding one method only (the sdpa baseline) gains nothing from a kept copy of its prefill
-    shared = Counter(id(t) for t in plan.targets.values())
     for set_name, (spec, prompts) in prompt_sets.items():
         runs: dict[str, list[GenerationResult]] = {m.name: [] for m in plan.methods}
         for prompt in prompts:
@@ -402,7 +407,7 @@ def run_acceptance(
                         spec.max_new_tokens,
                         sampling,
                         mode=m.mode,
-                        prefill_memo=memo if shared[id(on)] > 1 else None,
+                        prefill_memo=memo_for(on, memo),
                     )
                 )
                 bar.update()
