@@ -306,12 +306,13 @@ def test_drafter_windows_are_methods_of_one_sweep(tmp_path, monkeypatch):
     assert all(f"| {m} | prefix | 64 " in table for m in names)  # a line of its own per variant
     assert {p["method"] for p in json.loads((res.out / "context.json").read_text())["points"]} == set(names)
 
-    served = drafts.pop(4)
+    served, full = drafts.pop(4), drafts.pop(None)
     drafts.clear()
-    drafter.config.attention_window = 4  # the same drafter with the window as its own, alone
-    alone_cfg = ContextConfig(**{**cfg.__dict__, "windows": [None], "methods": ["eagle3-chain"]})
+    drafter.config.attention_window = 4  # the same drafter with the window as its own; 0 lifts it
+    alone_cfg = ContextConfig(**{**cfg.__dict__, "windows": [None, 0], "methods": ["eagle3-chain"]})
     alone = run(ContextJob(context=alone_cfg), target=target, drafter=drafter, prompts=by_length)
-    assert drafts[None] == served
+    assert drafts[None] == served and drafts[0] == full
+    assert alone.get("eagle3-chain-wfull", 64).attention_window is None
     for n in (24, 64):
         assert alone.get("eagle3-chain", n).accepted == res.get("eagle3-chain-w4", n).accepted
         assert alone.get("eagle3-chain", n).attention_window == 4
