@@ -17,6 +17,10 @@ Design decisions:
 - Under greedy decoding every method must emit exactly what plain decoding emits (on the same numerics); the
   run records the fraction of prompts where it did (``match_rate``), so a numerics problem shows up in the
   report instead of hiding.
+- A prompt is prefilled once per target copy, not once per method (``share_prefill``, :class:`serving.loop.PrefillMemo`):
+  the methods decoding on one target continue from a copy of the first one's prefill, bit for bit what their
+  own would have written, and each reports the real prefill's measured time. At 32k tokens a prefill of the
+  embedded target takes minutes on CPU, and a run decodes every prompt with 3-5 methods.
 - Every τ, tokens/s and speedup carries a 95% interval, a bootstrap over the set's prompts (:mod:`eval.intervals`;
   a speedup is paired with the baseline on the same prompts); each prompt's counts are kept (``per_prompt``) so
   that two methods or two drafters can be compared paired on the same prompts.
@@ -25,6 +29,7 @@ Design decisions:
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -32,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eyas.eval.intervals import Interval, paired_ratio, paired_ratio_difference, ratio_interval
-from eyas.serving.loop import GenerationResult, generate
+from eyas.serving.loop import GenerationResult, PrefillMemo, generate
 from eyas.serving.models.drafter import Eagle3Drafter
 from eyas.serving.models.target import Target
 from eyas.serving.proposers import (
@@ -111,10 +116,18 @@ class MethodSpec:
     """Draft tokens per step (K) for chains; prompt lookup's draft length."""
     tree: TreeConfig = field(default_factory=TreeConfig)
     """Tree shape when ``mode == "tree"``."""
+    attention_window: int | None = None
+    """eagle3 only: the drafter's attention window (:class:`serving.proposers.Eagle3ProposerConfig`: None its own,
+    0 full attention, n > 0 a window of n tokens), so one run measures the same drafter at several windows."""
 
     def __post_init__(self) -> None:
         if self.chain_length < 1:
             raise ValueError(f"method {self.name}: chain_length (K) must be >= 1, got {self.chain_length}")
+        if self.attention_window is not None and (self.kind != "eagle3" or self.attention_window < 0):
+            raise ValueError(
+                f"method {self.name}: attention_window is the EAGLE-3 drafter's (None, 0 for full attention or a "
+                f"positive token count), not {self.attention_window} for a {self.kind} method"
+            )
         if self.mode == "tree" and self.kind != "eagle3":
             raise ValueError(f"method {self.name}: tree drafting needs the eagle3 drafter")
         if isinstance(self.tree, dict):
@@ -143,7 +156,8 @@ def make_proposer(spec: MethodSpec, drafter: Eagle3Drafter | None) -> Proposer:
         return PromptLookupProposer(PromptLookupConfig(num_tokens=spec.chain_length))
     if drafter is None:
         raise ValueError(f"method {spec.name} needs an EAGLE-3 drafter")
-    return Eagle3Proposer(drafter, Eagle3ProposerConfig(chain_length=spec.chain_length, tree=spec.tree))
+    cfg = Eagle3ProposerConfig(spec.chain_length, spec.tree, spec.attention_window)
+    return Eagle3Proposer(drafter, cfg)
 
 
 @dataclass
@@ -346,11 +360,13 @@ def run_acceptance(
     sampling: SamplingConfig | None = None,
     warmup: bool = True,
     baseline: Target | None = None,
+    share_prefill: bool = True,
 ) -> AcceptanceResult:
     """Generate every prompt of every set with every method; see the module docstring.
 
     prompt_sets: name -> (spec, token-id prompts). baseline: the target plain decoding (``none``) is timed on
-    (None: ``target``).
+    (None: ``target``). share_prefill: the methods on one target continue from one prefill of each prompt
+    (same outputs and timings; False runs the target's prefill for every method, e.g. to time it each time).
     """
     sampling = sampling or SamplingConfig()
     if not prompt_sets or not any(p for _, p in prompt_sets.values()):
@@ -359,12 +375,19 @@ def run_acceptance(
         raise ValueError("no drafting methods to evaluate")
     plan = plan_run(methods, target, baseline, sampling.greedy)
     proposers = {m.name: make_proposer(m, drafter) for m in plan.methods}
+    # a target decoding one method only (the sdpa baseline) gains nothing from a kept copy of its prefill
+    shared = Counter(id(t) for t in plan.targets.values())
+
+    def memo_for(on: Target, memo: PrefillMemo | None) -> PrefillMemo | None:
+        return memo if shared[id(on)] > 1 else None
+
     first = next(p for _, p in prompt_sets.values() if p)[0]
+    memo = PrefillMemo() if share_prefill else None
     for m in plan.methods:  # fail on a mismatched drafter before the long run, and warm every path up
         on = plan.targets[m.name]
         proposers[m.name].reset(torch.as_tensor(first), target=on.info, max_len=len(first) + 8)
         if warmup:
-            generate(on, proposers[m.name], first, 8, sampling, mode=m.mode)
+            generate(on, proposers[m.name], first, 8, sampling, mode=m.mode, prefill_memo=memo_for(on, memo))
 
     results: list[SetMethodResult] = []
     total = sum(len(p) for _, p in prompt_sets.values()) * len(plan.methods)
@@ -373,10 +396,19 @@ def run_acceptance(
     for set_name, (spec, prompts) in prompt_sets.items():
         runs: dict[str, list[GenerationResult]] = {m.name: [] for m in plan.methods}
         for prompt in prompts:
+            memo = PrefillMemo() if share_prefill else None  # this prompt's only: the last one's is freed
             for m in method_order(plan.methods, index):
                 on = plan.targets[m.name]
                 runs[m.name].append(
-                    generate(on, proposers[m.name], prompt, spec.max_new_tokens, sampling, mode=m.mode)
+                    generate(
+                        on,
+                        proposers[m.name],
+                        prompt,
+                        spec.max_new_tokens,
+                        sampling,
+                        mode=m.mode,
+                        prefill_memo=memo_for(on, memo),
+                    )
                 )
                 bar.update()
             index += 1

@@ -14,6 +14,10 @@ Design decisions:
 - The prefix comes from the corpus's held-out split by default, and each prompt gets a different one (``offset``).
 - ``eval.diagnose`` reads the JSON written here (``diagnose.tau_context=<path>``) to price each length with the τ measured
   at that length.
+- Drafter windows are methods of the sweep (``windows``): ``eagle3-chain-w512`` is the same drafter drafting with a
+  512-token sliding window (``Eagle3ProposerConfig.attention_window``: the weights shared, its config untouched),
+  measured on the same prompts, interleaved with the others and after the same prefill, so the curves of the
+  drafter's own attention and of each window compare paired.
 - Intervals: 95%, the seeded bootstrap over prompts of :mod:`eyas.eval.intervals` (:func:`bootstrap_intervals`).
 - Context grown by the target's own answer (``answer_tokens``): the prompts of the shortest length are generated
   that long and each
@@ -29,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +42,13 @@ import torch
 
 from eyas.command import Command, command_line
 from eyas.common import ConfigError, build_config, json_hash
-from eyas.eval.acceptance import AcceptanceResult, PromptSetSpec, default_methods, run_acceptance
+from eyas.eval.acceptance import (
+    AcceptanceResult,
+    MethodSpec,
+    PromptSetSpec,
+    default_methods,
+    run_acceptance,
+)
 from eyas.eval.intervals import bootstrap
 from eyas.serving.models.target import Target, TargetConfig
 from eyas.serving.verify import SamplingConfig
@@ -82,9 +92,13 @@ class ContextConfig:
     """Seeds the prompt choice."""
     threads: int | None = None
     """torch CPU threads (None: leave as is)."""
+    windows: list[int | None] = field(default_factory=lambda: [None])
+    """The drafter's attention windows, each measured as its own method in the one run: null its own
+    (``DrafterConfig.attention_window``; method ``eagle3-chain``), n > 0 a sliding window of n tokens
+    (``eagle3-chain-w<n>``), 0 full attention (``eagle3-chain-wfull``), e.g. ``[null, 512]``."""
     attention_window: int | None = None
-    """Serve the drafter with this sliding window (``DrafterConfig.attention_window``) instead of its own; None:
-    the drafter's own."""
+    """Replaced by ``windows`` (several windows side by side in one run); anything but null is refused with the
+    way to write it."""
     answer_tokens: int = 0
     """> 0: also generate the bare prompts this many tokens and report τ with the context grown by the target's
     own answer, binned by ``lengths`` (``kind="answer"``); 0: only long prefixes."""
@@ -109,6 +123,19 @@ class ContextConfig:
             raise ValueError(f"context.methods: unknown {bad} (known: {list(METHODS)})")
         if self.chain_length < 1:
             raise ValueError(f"context.chain_length (K) must be >= 1, got {self.chain_length}")
+        if self.attention_window is not None:
+            raise ValueError(
+                f"context.attention_window is now context.windows, each window a method of one run: write "
+                f"context.windows=[{self.attention_window}] (or [null,{self.attention_window}] to measure the "
+                "drafter's own attention beside it)"
+            )
+        self.windows = list(self.windows)
+        bad = [w for w in self.windows if w is not None and (not isinstance(w, int) or w < 0)]
+        if bad or not self.windows or len(set(self.windows)) < len(self.windows):
+            raise ValueError(
+                f"context.windows must be distinct entries of null (the drafter's own), 0 (full attention) or a "
+                f"positive token count, e.g. [null,512]; got {self.windows}"
+            )
         if self.answer_tokens < 0 or self.loss_span < 1 or self.bootstrap < 0:
             raise ValueError(
                 "context.answer_tokens and context.bootstrap must be >= 0, context.loss_span >= 1"
@@ -159,6 +186,8 @@ class ContextPoint:
     """95% bootstrap interval of τ over prompts ([lo, hi]; empty with fewer than two prompts)."""
     tokens_per_s_ci: list[float] = field(default_factory=list)
     """95% bootstrap interval of tokens/s over prompts (τ and draft+verify time per step resampled together)."""
+    attention_window: int | None = None
+    """The sliding window the drafter drafted with (None: full attention, and the drafter-free methods)."""
 
 
 @dataclass
@@ -336,12 +365,30 @@ def _speedup(acc: AcceptanceResult, prompt_set: str, tokens_per_s: float) -> flo
     return tokens_per_s / base.decode_tokens_per_s if base and base.decode_tokens_per_s else float("nan")
 
 
+def window_suffix(window: int | None) -> str:
+    """The method-name suffix of a drafter window (``ContextConfig.windows``)."""
+    return "" if window is None else "-wfull" if window == 0 else f"-w{window}"
+
+
+def sweep_methods(cfg: ContextConfig) -> list[MethodSpec]:
+    """``cfg.methods`` at K = ``cfg.chain_length``, each EAGLE-3 method once per entry of ``cfg.windows``."""
+    out = []
+    for m in default_methods(cfg.chain_length):
+        if m.name not in cfg.methods:
+            continue
+        if m.kind != "eagle3":
+            out.append(m)
+            continue
+        out += [replace(m, name=m.name + window_suffix(w), attention_window=w) for w in cfg.windows]
+    return out
+
+
 def measure(
     target: Target, drafter, prompts: dict[int, list[list[int]]], cfg: ContextConfig
 ) -> list[ContextPoint]:
     """Generate every prompt at every length with every method of ``cfg``; one point per (method, length), and
     per (method, length bin) of the target's own long answers when ``cfg.answer_tokens`` is set."""
-    methods = [m for m in default_methods(cfg.chain_length) if m.name in cfg.methods]
+    methods = sweep_methods(cfg)
     spec = cfg.prompts
     sets = {
         str(n): (PromptSetSpec(str(n), spec.source, len(ps), spec.label, spec.max_new_tokens), ps)
@@ -354,9 +401,18 @@ def measure(
             bare,
         )
     acc = run_acceptance(target, drafter, sets, methods, SamplingConfig())
-    return points_from(acc, prompts, cfg.chain_length, cfg.bootstrap) + answer_points(
+    points = points_from(acc, prompts, cfg.chain_length, cfg.bootstrap) + answer_points(
         acc, cfg.lengths, cfg.chain_length, cfg.bootstrap
     )
+    own = None if drafter is None else drafter.config.attention_window
+    window = {  # what each drafting method's drafter attended over (None: everything)
+        m.name: own if m.attention_window is None else (m.attention_window or None)
+        for m in methods
+        if m.kind == "eagle3"
+    }
+    for p in points:
+        p.attention_window = window.get(p.method)
+    return points
 
 
 @torch.inference_mode()
@@ -416,8 +472,6 @@ def run(
         from eyas.serving.load import load_drafter
 
         drafter = load_drafter(cfg.export_dir, target).drafter
-    if drafter is not None and cfg.attention_window is not None:
-        drafter.config.attention_window = cfg.attention_window
     out = Path(cfg.out_dir) / json_hash(
         {
             "context": asdict(cfg),

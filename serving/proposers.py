@@ -162,10 +162,18 @@ class Eagle3ProposerConfig:
     """Draft tokens per step in chain mode (K)."""
     tree: TreeConfig | None = None
     """EAGLE-2 dynamic tree used in tree mode (default :class:`TreeConfig`)."""
+    attention_window: int | None = None
+    """The drafter's attention window while drafting: None its own (``DrafterConfig.attention_window``), 0 full
+    attention, n > 0 a sliding window of n tokens; the weights are shared, so one drafter serves several windows."""
 
     def __post_init__(self) -> None:
         if self.chain_length <= 0:
             raise ValueError(f"chain_length (K) must be >= 1, got {self.chain_length}")
+        if self.attention_window is not None and self.attention_window < 0:
+            raise ValueError(
+                f"attention_window must be None (the drafter's own), 0 (full attention) or a positive token "
+                f"count, not {self.attention_window}"
+            )
         if self.tree is None:
             self.tree = TreeConfig()
 
@@ -244,6 +252,7 @@ class Eagle3Proposer:
             mask[None, None],
             hidden_is_aux=True,
             logits="last" if n == m else "all",
+            attention_window=self.cfg.attention_window,
         )
         cache.commit(m)  # the mask rows' slots are overwritten by the next context
         self._hidden = out.hidden[:, m - 1 : m]
@@ -276,7 +285,15 @@ class Eagle3Proposer:
         k = tokens.numel()
         self.cache.prepare(slots, mask.shape[-1])
         pos = torch.full((1, k), position, dtype=torch.long, device=tokens.device)
-        return self.drafter(tokens[None], hidden, pos, self.cache, mask[None, None], hidden_is_aux=False)
+        return self.drafter(
+            tokens[None],
+            hidden,
+            pos,
+            self.cache,
+            mask[None, None],
+            hidden_is_aux=False,
+            attention_window=self.cfg.attention_window,
+        )
 
     def _propose_chain(self, ctx: DraftContext) -> DraftProposal:
         k = min(self.cfg.chain_length, ctx.max_depth, ctx.max_tokens)

@@ -30,7 +30,9 @@ Design decisions:
 - ``attention_window`` (None: full attention) is a sliding window by position, the same in the cached forward
   (:func:`window_mask`, key slot i taken as position i), in the TTT unroll (:mod:`serving.models.ttt_attention`)
   and in the export (``layer_types`` / ``sliding_window``, what vLLM reads): a row at position p sees the keys at
-  positions ``> p - window``. It bounds the drafter's cost per step at long context as well as its drift.
+  positions ``> p - window``. It bounds the drafter's cost per step at long context as well as its drift. The
+  cached forward takes a window of its own (``attention_window=``), so one drafter's weights serve several
+  windows side by side (:class:`serving.proposers.Eagle3ProposerConfig`) without a copy or a config change.
 """
 
 from __future__ import annotations
@@ -502,13 +504,15 @@ class Eagle3Drafter(nn.Module):
         *,
         hidden_is_aux: bool,
         logits: str = "all",
+        attention_window: int | None = None,
     ) -> DrafterOutput:
         """Rows ``(hidden, input_ids)`` at ``position_ids`` ([B, q]); keys/values written at the slots declared by
         ``cache.prepare``; ``attention_mask`` [B, 1, q, kv_len] bool (True = may attend).
         ``hidden_is_aux``: True for context rows, whose ``hidden`` is the target's aux states [B, q, n_aux * H]
         (fused by ``fc``); False for draft rows, whose ``hidden`` is this drafter's own output [B, q, H]. Said by
         the caller, not guessed from the width: with one aux layer both are H wide.
-        ``logits``: ``all`` rows, or only the ``last`` one ([B, 1, draft_vocab]; context rows need no others)."""
+        ``logits``: ``all`` rows, or only the ``last`` one ([B, 1, draft_vocab]; context rows need no others).
+        ``attention_window``: None reads ``config.attention_window``; 0 is full attention, n > 0 a window of n."""
         if hidden_is_aux:
             h = self.fuse(hidden)
         elif hidden.shape[-1] != self.config.hidden_size:
@@ -521,7 +525,8 @@ class Eagle3Drafter(nn.Module):
         e = self.embed(input_ids).to(h.dtype)
         cos, sin = self.rotary(position_ids, h.dtype)
         attn = self.midlayer.self_attn
-        lo, window = 0, self.config.attention_window
+        window = self.config.attention_window if attention_window is None else (attention_window or None)
+        lo = 0
         if window is not None:
             attention_mask, lo = window_mask(attention_mask, position_ids, window)
             attention_mask = attention_mask[..., lo:]

@@ -12,6 +12,9 @@ Design decisions:
   (:mod:`eyas.serving.models.exact_attention`) needs the same key length in every forward.
 - The same class serves the target (as a transformers ``Cache``) and the drafter (which calls
   :meth:`SlotCache.update` directly).
+- :meth:`SlotCache.clone` copies a filled cache whole (capacity, committed length, every slot, the unwritten
+  zeros included), so a prefill shared by several generations (:class:`serving.loop.PrefillMemo`) continues
+  bit for bit as a fresh one would, also under row-exact attention, which reads the whole capacity.
 """
 
 from __future__ import annotations
@@ -146,6 +149,17 @@ class SlotCache(Cache):
                 idx = rows.to(layer.keys.device)
                 layer.keys = layer.keys.index_select(0, idx)
                 layer.values = layer.values.index_select(0, idx)
+
+    @torch.no_grad()
+    def clone(self) -> SlotCache:
+        """An independent copy with the same capacity, committed length and buffers (every slot, written or not)."""
+        out = SlotCache(len(self.layers), self.max_len)
+        out.length, out._kv_len = self.length, self._kv_len
+        for src, dst in zip(self.layers, out.layers):
+            if src.is_initialized:
+                dst.keys, dst.values = src.keys.clone(), src.values.clone()
+                dst.device, dst.is_initialized = src.device, True
+        return out
 
     def reset(self) -> None:
         self.length = 0

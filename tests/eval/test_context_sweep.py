@@ -228,15 +228,15 @@ def test_context_grown_by_the_targets_answer_with_intervals_and_the_targets_long
         methods=["eagle3-chain", "none"],
         chain_length=3,
         answer_tokens=70,
-        attention_window=16,
+        windows=[16],
         out_dir=str(tmp_path / "ctx"),
     )
     res = run(ContextJob(context=cfg), target=target, drafter=drafter, prompts=by_length)
-    assert drafter.config.attention_window == 16  # served with the window asked for
     answer = [p for p in res.points if p.kind == "answer"]
     assert {(p.method, p.length) for p in answer} == {
-        (m, n) for m in ("eagle3-chain", "none") for n in (24, 64)
+        (m, n) for m in ("eagle3-chain-w16", "none") for n in (24, 64)
     }
+    assert all(p.attention_window == (16 if p.method != "none" else None) for p in res.points)
     for p in answer:  # each step in the bin of the largest length <= its context
         assert p.length <= p.mean_context < (64 if p.length == 24 else 1 << 30)
         assert p.steps == len(p.accepted) and p.match_rate == 1.0
@@ -253,3 +253,77 @@ def test_context_grown_by_the_targets_answer_with_intervals_and_the_targets_long
     nll = torch.nn.functional.cross_entropy(full, torch.tensor(ids[1:]), reduction="none")
     assert loss.first == pytest.approx(float(nll[:8].mean()), rel=1e-5)
     assert loss.last == pytest.approx(float(nll[-8:].mean()), rel=1e-5)
+
+
+def test_drafter_windows_are_methods_of_one_sweep(tmp_path, monkeypatch):
+    """``context.windows``: the drafter at each window is a method of the one run (its config untouched), drafting
+    what a separate run with the drafter's own window set to it drafts; a window wider than the context drafts
+    and accepts as full attention does."""
+    import json
+
+    import torch
+
+    from eyas.eval.acceptance import PromptSetSpec
+    from eyas.eval.context_sweep import ContextConfig, ContextJob, run
+    from eyas.eval.diagnose.context_prompts import prompts_from_ids
+    from eyas.serving.load import random_drafter
+    from eyas.serving.proposers import Eagle3Proposer
+
+    drafts: dict[int | None, list[list[int]]] = {}  # window asked of the proposer -> every draft, in order
+    real_propose = Eagle3Proposer.propose
+
+    def spy(self, ctx):
+        proposal = real_propose(self, ctx)
+        drafts.setdefault(self.cfg.attention_window, []).append(proposal.tree.tokens.tolist())
+        return proposal
+
+    monkeypatch.setattr(Eagle3Proposer, "propose", spy)
+    torch.set_num_threads(1)
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, 64, seed=3)
+    spec = PromptSetSpec("periodic", "ids", 2, "predictable", max_new_tokens=12)
+    filler = torch.randint(20, 200, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+    by_length = prompts_from_ids(spec, [[11, 12, 13, 14] * 3, [30, 31, 32] * 4], filler, [24, 64]).by_context
+    cfg = ContextConfig(
+        lengths=[24, 64],
+        prompts=spec,
+        methods=["eagle3-chain", "prompt-lookup", "none"],
+        chain_length=3,
+        windows=[None, 4, 4096],
+        bootstrap=0,
+        out_dir=str(tmp_path / "ctx"),
+    )
+    res = run(ContextJob(context=cfg), target=target, drafter=drafter, prompts=by_length)
+    assert drafter.config.attention_window is None
+    names = ["eagle3-chain", "eagle3-chain-w4", "eagle3-chain-w4096", "prompt-lookup", "none"]
+    assert {p.method for p in res.points} == set(names)
+    assert {p.method: p.attention_window for p in res.points} == dict(zip(names, [None, 4, 4096, None, None]))
+    assert drafts[4096] == drafts[None] and drafts[4] != drafts[None]  # the 4-token window is served
+    for n in (24, 64):
+        full, wide = res.get("eagle3-chain", n), res.get("eagle3-chain-w4096", n)
+        assert wide.accepted == full.accepted and wide.tau == full.tau
+    table = (res.out / "context.md").read_text()
+    assert all(f"| {m} | prefix | 64 " in table for m in names)  # a line of its own per variant
+    assert {p["method"] for p in json.loads((res.out / "context.json").read_text())["points"]} == set(names)
+
+    served, full = drafts.pop(4), drafts.pop(None)
+    drafts.clear()
+    drafter.config.attention_window = 4  # the same drafter with the window as its own; 0 lifts it
+    alone_cfg = ContextConfig(**{**cfg.__dict__, "windows": [None, 0], "methods": ["eagle3-chain"]})
+    alone = run(ContextJob(context=alone_cfg), target=target, drafter=drafter, prompts=by_length)
+    assert drafts[None] == served and drafts[0] == full
+    assert alone.get("eagle3-chain-wfull", 64).attention_window is None
+    for n in (24, 64):
+        assert alone.get("eagle3-chain", n).accepted == res.get("eagle3-chain-w4", n).accepted
+        assert alone.get("eagle3-chain", n).attention_window == 4
+
+
+def test_the_old_attention_window_key_names_windows():
+    from eyas.eval.context_sweep import ContextConfig
+
+    with pytest.raises(ValueError, match=r"write context.windows=\[512\] \(or \[null,512\]"):
+        ContextConfig(attention_window=512)
+    with pytest.raises(ValueError, match="context.windows must be distinct"):
+        ContextConfig(windows=[None, None])
+    with pytest.raises(ValueError, match="context.windows must be distinct"):
+        ContextConfig(windows=[-3])
