@@ -54,10 +54,16 @@ class RecipeConfig:
     """Training seeds; each variant is trained once per seed (two tell a difference from noise)."""
     prompts: PromptSetSpec = field(
         default_factory=lambda: PromptSetSpec(
-            name="reasoning", source="reasoning_gym", n=8, label="hard reasoning", max_new_tokens=128
+            name="ood_reasoning",
+            source="ood_reasoning",
+            n=24,
+            label="hard reasoning (out of distribution)",
+            max_new_tokens=128,
+            half="report",
         )
     )
-    """Held-out evaluation prompts."""
+    """Held-out evaluation prompts: out-of-distribution reasoning from the source's ``report`` half by default
+    (choose on ``half: calib``, report on ``half: report``); 24 of its 300 prompts, two per task."""
     chain_length: int = 6
     only: list[str] | None = None
     """Run only these variants (by name); None runs all."""
