@@ -236,9 +236,8 @@ def compare(a: SetMethodResult, b: SetMethodResult) -> PairedComparison:
     if a.prompt_set != b.prompt_set or len(pa) != len(pb):
         raise ValueError(f"{a.method} and {b.method} were not measured on the same prompts of one set")
     fa, fb = [p.prompt for p in pa], [p.prompt for p in pb]
-    if (
-        all(fa) and all(fb) and fa != fb
-    ):  # where both runs recorded their prompts, they must be the same, in order
+    # where both runs recorded their prompts, they must be the same ones, in the same order
+    if all(fa) and all(fb) and fa != fb:
         i = next(i for i, (x, y) in enumerate(zip(fa, fb)) if x != y)
         raise ValueError(
             f"{a.method} and {b.method} were not measured on the same prompts of {a.prompt_set}: prompt {i} differs"
