@@ -342,7 +342,8 @@ def study_header(
             f"through the bundled loop in `eval.dtype={rc.eval_dtype}`.",
             f"Training: the base train config's {budget}, {loader.get('batch_rows')} × {loader.get('max_tokens')} "
             f"tokens per batch ({loader.get('packing')}); {tokens}; training tokens/s over the training steps' "
-            "seconds (held-out evaluations and checkpoints excluded), this machine's under its load.",
+            "seconds (held-out evaluations and checkpoints excluded), this machine's under its load; τ_sim: the "
+            f"trainer's held-out simulated chain τ at K = {t.eval_chain_length} (its rows, not these prompts).",
             f"Baseline: `{baseline}`; every Δτ is paired with it on the same prompts (seed by seed), the relative "
             "change in % beside it; prompt lookup ran at each K on the same prompts and numerics (last row). 95% "
             "intervals: bootstrap over prompts (eval/intervals.py), paired for differences and ratios.",

@@ -203,7 +203,7 @@ def _f(x: Any, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
-def _signed(i: Interval | None, fmt: str = "+.2f", suffix: str = "") -> str:
+def _signed(i: Interval | None, fmt: str = "+.3f", suffix: str = "") -> str:
     return "—" if i is None else i.format(fmt, suffix)
 
 

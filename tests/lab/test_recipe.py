@@ -167,7 +167,7 @@ def test_every_variant_gets_tau_with_its_interval_and_a_paired_difference_agains
     lines = text.splitlines()
     assert "τ, chain K=6" in lines[0] and "Δτ vs default, K=3 (%)" in lines[0]
     assert lines[2].startswith("| default | 0 | 800 | 52,000 | 600 |") and "baseline" in lines[2]
-    assert f"{v6.tau.format('.3f')} | +0.20 [+0.20, +0.20] ({v6.relative.format('+.1f', '%')})" in lines[3]
+    assert f"{v6.tau.format('.3f')} | +0.200 [+0.200, +0.200] ({v6.relative.format('+.1f', '%')})" in lines[3]
     assert lines[-1].startswith("| prompt-lookup (reference) |") and "0.900" in lines[-1]
 
 
@@ -308,3 +308,38 @@ def test_a_rerun_recomputes_the_table_without_training_or_evaluating_again(monke
     )
     run_recipe(_job([*args, "recipe.reevaluate=true", "recipe.chain_lengths=[6]"]))
     assert calls["eval"] == [("default", 6), ("loss-tv", 6)] and calls["lookup"] == [6]
+
+
+def test_prompt_lookup_runs_on_the_prompts_the_variants_evaluation_runs(tmp_path, monkeypatch):
+    """The reference row is measured by the study itself (it has no weights to train): on the same prompts, in the
+    same order, as the evaluation stage gives a variant's export, so the two pair."""
+    import eyas.eval.prompts as prompts_module
+    from eyas.lab.recipe import eval_config, measure_lookup
+    from eyas.lab.recipe_table import ChainEval, chain_cell
+    from eyas.pipeline import stage_eval
+    from eyas.serving.export import export
+    from eyas.serving.load import random_drafter
+    from tests.conftest import make_tiny_target
+
+    def prompt_ids(
+        spec, tokenizer, seed=0, max_prompt_tokens=None, exclude=()
+    ):  # the tiny target has no template
+        return [[20 + i, 21 + i, 22 + i, 20 + i, 21 + i] for i in range(spec.n)]
+
+    monkeypatch.setattr(prompts_module, "load_prompt_ids", prompt_ids)
+    target = make_tiny_target("llama")
+    export(random_drafter(target, 64, seed=3), target, tmp_path / "export")
+    prompts = (
+        "{name:p,source:'builtin:predictable',n:3,label:p,max_new_tokens:6,in_distribution:false,half:null}"
+    )
+    job = _job([f"work_dir={tmp_path}", f"recipe.prompts={prompts}", "recipe.eval_dtype=float32"])
+    ecfg = eval_config(job, 3, None)
+    acc, *_ = stage_eval(tmp_path / "export", ecfg, target, tmp_path, {}, "test")
+    chain = ChainEval.of(acc.results[0], 3)
+    lookup = measure_lookup(ecfg, target)
+    assert (chain.method, lookup.method, len(chain.per_prompt)) == ("eagle3-chain", "prompt-lookup", 3)
+    assert [p.prompt for p in chain.per_prompt] == [p.prompt for p in lookup.per_prompt] and all(
+        p.prompt for p in chain.per_prompt
+    )
+    cell = chain_cell(chain, None, lookup, "v")
+    assert cell.lookup_ratio.estimate == pytest.approx(chain.tau / lookup.tau)
