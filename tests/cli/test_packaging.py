@@ -79,7 +79,7 @@ def test_commands_work_from_a_directory_with_its_own_data_package_and_train_py(t
         return res.stdout
 
     assert "commands:" in run(str(bindir / "eyas"), "--help")
-    assert "train: bench, default, demo, gpu, recipe, smoke" in run(
+    assert "train: bench, default, demo, gpu, smoke" in run(
         sys.executable, "-m", "eyas.train", "--help"
     )
     out = run(sys.executable, "-c", "import eyas, eyas.data, eyas.train; print(eyas.data.__file__)")
