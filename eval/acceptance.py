@@ -22,12 +22,14 @@ Design decisions:
   own would have written, and each reports the real prefill's measured time. At 32k tokens a prefill of the
   embedded target takes minutes on CPU, and a run decodes every prompt with 3-5 methods.
 - Every τ, tokens/s and speedup carries a 95% interval, a bootstrap over the set's prompts (:mod:`eval.intervals`;
-  a speedup is paired with the baseline on the same prompts); each prompt's counts are kept (``per_prompt``) so
-  that two methods or two drafters can be compared paired on the same prompts.
+  a speedup is paired with the baseline on the same prompts); each prompt's counts are kept (``per_prompt``), with
+  a fingerprint of the prompt, so that two methods or two drafters can be compared paired on the same prompts, and
+  results of other prompts are refused (:func:`compare`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -172,6 +174,14 @@ class PromptRecord:
     """Verify steps (τ's denominator)."""
     seconds: float
     """End to end, prefill included (tokens/s's denominator)."""
+    prompt: str = ""
+    """The prompt's fingerprint (:func:`prompt_fingerprint`), so that results compared prompt by prompt can be
+    checked to come from the same prompts ("": not recorded)."""
+
+
+def prompt_fingerprint(ids: list[int]) -> str:
+    """A short hash of a prompt's token ids: equal for the same prompt, whichever run or method measured it."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -239,6 +249,13 @@ def compare(a: SetMethodResult, b: SetMethodResult) -> PairedComparison:
     pa, pb = a.per_prompt, b.per_prompt
     if a.prompt_set != b.prompt_set or len(pa) != len(pb):
         raise ValueError(f"{a.method} and {b.method} were not measured on the same prompts of one set")
+    fa, fb = [p.prompt for p in pa], [p.prompt for p in pb]
+    # where both runs recorded their prompts, they must be the same ones, in the same order
+    if all(fa) and all(fb) and fa != fb:
+        i = next(i for i, (x, y) in enumerate(zip(fa, fb)) if x != y)
+        raise ValueError(
+            f"{a.method} and {b.method} were not measured on the same prompts of {a.prompt_set}: prompt {i} differs"
+        )
     delta = paired_ratio_difference(
         [p.emitted for p in pa], [p.steps for p in pa], [p.emitted for p in pb], [p.steps for p in pb]
     )
@@ -412,7 +429,12 @@ def run_acceptance(
                 )
                 bar.update()
             index += 1
-        results.extend(set_results(set_name, spec.label, plan.methods, runs, sampling.greedy))
+        done = set_results(set_name, spec.label, plan.methods, runs, sampling.greedy)
+        marks = [prompt_fingerprint(p) for p in prompts]
+        for r in done:
+            for rec, mark in zip(r.per_prompt, marks):
+                rec.prompt = mark
+        results.extend(done)
     bar.close()
     return AcceptanceResult(results=results, sampling=asdict(sampling))
 

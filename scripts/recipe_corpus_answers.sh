@@ -13,8 +13,8 @@
 #
 # Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
 # measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
-# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
-# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+# generators. Every step names the set for what it is, in-distribution (`reasoning_in_dist`), drawn from the whole
+# source (`half:null`; the recipe's default is the out-of-distribution set's report half).
 #
 # Usage: scripts/recipe_corpus_answers.sh     (PY=<python>, default python)
 set -euo pipefail
@@ -32,6 +32,6 @@ mkdir -p "$logs"
 "$PY" -m eyas.lab.recipe threads=2 corpus=jsonl corpus.path=runs/bench-corpus/train.jsonl prepare=bench \
   prepare.regenerate=false prepare.out_dir=runs/bench-corpus/prepare extract=compact drafter=bench train=bench \
   train.epochs=null train.max_steps=320 train.eval_every=160 train.save_every=160 recipe.eval_dtype=auto \
-  "recipe.prompts={name:reasoning,source:reasoning_gym,n:12,label:hard reasoning,max_new_tokens:192}" \
+  "recipe.prompts={name:reasoning_in_dist,source:reasoning_gym,in_distribution:true,half:null,n:12,label:hard reasoning,max_new_tokens:192}" \
   "recipe.variants=[{name:s320-corpus-answers,train:{lr:1.0e-3,ttt_steps:3,optimizer:adamw,schedule:cosine,best_metric:tau_chain}}]" \
   | tee "$logs/recipe.log"

@@ -18,8 +18,8 @@
 #
 # Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
 # measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
-# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
-# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+# generators. Every step names the set for what it is, in-distribution (`reasoning_in_dist`), drawn from the whole
+# source (`half:null`; the recipe's default is the out-of-distribution set's report half).
 #
 # Usage: scripts/recipe_screen_320.sh [more overrides, e.g. "recipe.only=[s320-base]"]
 #   AUX=1,14,26    the target layers the drafter reads (1,14,28: the embedded target's default now)
@@ -37,7 +37,7 @@ pin="optimizer:adamw,schedule:cosine,best_metric:tau_chain"
   "target.aux_layers=[$AUX]" prepare.regen.max_batches=108 prepare.regen.time_budget_s=null \
   ${STORE:+recipe.store_dir=$STORE} train.epochs=null train.max_steps=320 train.eval_every=160 \
   train.save_every=160 recipe.eval_dtype=auto \
-  "recipe.prompts={name:reasoning,source:reasoning_gym,n:12,label:hard reasoning,max_new_tokens:192}" \
+  "recipe.prompts={name:reasoning_in_dist,source:reasoning_gym,in_distribution:true,half:null,n:12,label:hard reasoning,max_new_tokens:192}" \
   "recipe.variants=[{name:s320-base,train:{lr:1.0e-3,ttt_steps:3,$pin}}, \
     {name:s320-mlp4x,drafter:{intermediate_size:6144},train:{lr:1.0e-3,ttt_steps:3,$pin}}, \
     {name:s320-frozen-head,train:{lr:1.0e-3,ttt_steps:3,freeze_lm_head:true,$pin}}, \

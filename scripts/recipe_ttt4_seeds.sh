@@ -12,8 +12,8 @@
 #
 # Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
 # measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
-# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
-# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+# generators. Every step names the set for what it is, in-distribution (`reasoning_in_dist`), drawn from the whole
+# source (`half:null`; the recipe's default is the out-of-distribution set's report half).
 #
 # Usage: scripts/recipe_ttt4_seeds.sh
 #   SEEDS="0 1 2"  training seeds (data order)
@@ -31,7 +31,7 @@ for seed in $SEEDS; do
   "$PY" -m eyas.lab.recipe threads=2 corpus=bench prepare=bench extract=compact drafter=bench train=bench \
     prepare.regen.max_batches=108 prepare.regen.time_budget_s=null ${STORE:+recipe.store_dir=$STORE} \
     train.eval_every=200 train.save_every=200 recipe.eval_dtype=auto \
-    "recipe.prompts={name:reasoning,source:reasoning_gym,n:12,label:hard reasoning,max_new_tokens:192}" \
+    "recipe.prompts={name:reasoning_in_dist,source:reasoning_gym,in_distribution:true,half:null,n:12,label:hard reasoning,max_new_tokens:192}" \
     "recipe.seeds=[$seed]" \
     "recipe.variants=[{name:aux28-1ep-muon-lr2e-3-wsd-ttt4,train:{lr:2.0e-3,ttt_steps:4,epochs:1,optimizer:muon,schedule:wsd}}]" \
     | tee "$logs/seed$seed.log"

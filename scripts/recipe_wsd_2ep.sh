@@ -15,8 +15,8 @@
 #
 # Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
 # measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
-# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
-# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+# generators. Every step names the set for what it is, in-distribution (`reasoning_in_dist`), drawn from the whole
+# source (`half:null`; the recipe's default is the out-of-distribution set's report half).
 #
 # Usage: scripts/recipe_wsd_2ep.sh      (STORE=<dir>, PY=<python>: as in scripts/recipe_ttt4_seeds.sh)
 set -euo pipefail
@@ -28,7 +28,7 @@ mkdir -p "$logs"
 "$PY" -m eyas.lab.recipe threads=2 corpus=bench prepare=bench extract=compact drafter=bench train=bench \
   prepare.regen.max_batches=108 prepare.regen.time_budget_s=null ${STORE:+recipe.store_dir=$STORE} \
   train.eval_every=200 train.save_every=200 recipe.eval_dtype=auto \
-  "recipe.prompts={name:reasoning,source:reasoning_gym,n:12,label:hard reasoning,max_new_tokens:192}" \
+  "recipe.prompts={name:reasoning_in_dist,source:reasoning_gym,in_distribution:true,half:null,n:12,label:hard reasoning,max_new_tokens:192}" \
   "recipe.seeds=[0]" \
   "recipe.variants=[{name:bench-default-2ep-muon-wsd,train:{lr:2.0e-3,ttt_steps:3,epochs:2,schedule:wsd}}]" \
   | tee "$logs/recipe.log"

@@ -12,8 +12,8 @@
 #
 # Since 1cf48da (issue 35, item 1) a `reasoning_gym` prompt set draws other items than these figures were
 # measured on (each seed's items disjoint from the others'): a rerun reports τ on other prompts of the same
-# generators. The `eyas eval` steps name the set for what it is, in-distribution (`reasoning_in_dist`); the
-# recipe keeps its recorded `recipe.prompts`, whose config takes no `in_distribution` key yet.
+# generators. Every step names the set for what it is, in-distribution (`reasoning_in_dist`), drawn from the whole
+# source (`half:null`; the recipe's default is the out-of-distribution set's report half).
 #
 # Usage: scripts/vllm_layer28.sh
 #   EXPORT=<dir>   evaluate this export instead of training it (the recipe reuses a finished training anyway)
@@ -30,7 +30,7 @@ if [ -z "$export_dir" ]; then
   "$PY" -m eyas.lab.recipe threads=2 corpus=bench prepare=bench extract=compact drafter=bench train=bench \
     'target.aux_layers=[1,14,28]' prepare.regen.max_batches=108 prepare.regen.time_budget_s=null \
     ${STORE:+recipe.store_dir=$STORE} train.eval_every=200 train.save_every=200 recipe.eval_dtype=auto \
-    "recipe.prompts={name:reasoning,source:reasoning_gym,n:12,label:hard reasoning,max_new_tokens:192}" \
+    "recipe.prompts={name:reasoning_in_dist,source:reasoning_gym,in_distribution:true,half:null,n:12,label:hard reasoning,max_new_tokens:192}" \
     "recipe.variants=[{name:aux28-1ep,train:{lr:1.0e-3,ttt_steps:3,epochs:1,optimizer:adamw,schedule:cosine,best_metric:tau_chain}}]" \
     | tee "$logs/recipe.log"
   export_dir=$(sed -n 's/^export: \([^ ]*\) .*/\1/p' "$logs/recipe.log" | tail -1)

@@ -194,9 +194,9 @@ def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
     cfg = _compose("recipe", [])
     job = pipeline_job(cfg)
     rc = build_config(RecipeConfig, cfg.recipe, "recipe")
-    v = next(v for v in rc.variants if v.name == "target-init-lr1e-3")
+    v = next(v for v in rc.variants if v.name == "loss-tv")
     d, t = variant_configs(v, job.drafter, job.train, seed=3)
-    assert d.init == "target" and t.lr == 1e-3 and t.seed == 3
+    assert d.init == "target" and t.loss == "tv" and t.lr == job.train.lr and t.seed == 3
     assert (
         t.max_steps == job.train.max_steps and t.data.store_dir == job.train.data.store_dir
     )  # same budget, data
@@ -207,7 +207,12 @@ def test_recipe_variants_override_the_demo_recipe_and_are_checked_by_name():
         k: v for k, v in job.train.data.loader.items() if k != "seed"
     }
     base = (job.train.max_steps, job.train.lr, job.train.ttt_steps, job.train.optimizer)
-    assert base == (200, 3e-4, 7, "adamw")  # the study's base
+    assert base == (800, 1e-3, 3, "auto")  # the study's base: today's demo training
+    # the study before issue 40 keeps its own base (200 steps, AdamW at 3e-4, TTT 7), so its command lines still
+    # train what they trained
+    old = next(v for v in rc.variants if v.name == "target-init-lr1e-3")
+    _, t = variant_configs(old, job.drafter, job.train, seed=0)
+    assert (t.max_steps, t.lr, t.ttt_steps, t.optimizer, t.eval_every) == (200, 1e-3, 7, "adamw", 50)
     # another train config on the command line is the base of the variants, not overridden by the study's
     bench = pipeline_job(_compose("recipe", ["train=bench"])).train
     assert (bench.epochs, bench.lr, bench.ttt_steps, bench.data.loader["max_tokens"]) == (2, 2e-3, 4, 1024)

@@ -79,8 +79,6 @@ def test_commands_work_from_a_directory_with_its_own_data_package_and_train_py(t
         return res.stdout
 
     assert "commands:" in run(str(bindir / "eyas"), "--help")
-    assert "train: bench, default, demo, gpu, recipe, smoke" in run(
-        sys.executable, "-m", "eyas.train", "--help"
-    )
+    assert "train: bench, default, demo, gpu, smoke" in run(sys.executable, "-m", "eyas.train", "--help")
     out = run(sys.executable, "-c", "import eyas, eyas.data, eyas.train; print(eyas.data.__file__)")
     assert Path(out.strip()).parent == ROOT / "data"

@@ -37,3 +37,21 @@ def test_tables_and_json_carry_the_intervals(tmp_path, capsys):
     print_table(acc)
     printed = capsys.readouterr().out
     assert f"{chain.tau_ci.low:.2f}, {chain.tau_ci.high:.2f}]" in printed and "95% interval" in printed
+
+
+def test_results_of_two_runs_are_compared_only_on_the_same_prompts():
+    """Each prompt's record names its prompt (a fingerprint of its ids), so a comparison across runs (a drafter
+    against another evaluated later, as the recipe study does) refuses results of other prompts of the same size."""
+    from eyas.eval.acceptance import MethodSpec, compare, prompt_fingerprint
+
+    target = make_tiny_target("llama")
+    spec = PromptSetSpec("s", "ids", 2, "s", max_new_tokens=6)
+    lookup = [MethodSpec("prompt-lookup", "prompt-lookup", "chain", 3)]
+    a_prompts, b_prompts = [[11, 12, 13, 11, 12], [7, 8, 9, 10]], [[11, 12, 13, 11, 12], [30, 31, 30, 31]]
+    a = run_acceptance(target, None, {"s": (spec, a_prompts)}, lookup, warmup=False).results[0]
+    again = run_acceptance(target, None, {"s": (spec, a_prompts)}, lookup, warmup=False).results[0]
+    b = run_acceptance(target, None, {"s": (spec, b_prompts)}, lookup, warmup=False).results[0]
+    assert [p.prompt for p in a.per_prompt] == [prompt_fingerprint(p) for p in a_prompts]
+    assert compare(a, again).delta_tau.estimate == pytest.approx(0.0)  # the same prompts, run twice
+    with pytest.raises(ValueError, match="not measured on the same prompts of s: prompt 1 differs"):
+        compare(a, b)
