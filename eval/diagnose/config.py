@@ -29,7 +29,14 @@ class DiagnoseError(ValueError):
 # -- config ------------------------------------------------------------------------------------------------------
 def _default_sets() -> list[PromptSetSpec]:
     return [
-        PromptSetSpec("reasoning", "reasoning_gym", n=2, label="hard reasoning", max_new_tokens=32),
+        PromptSetSpec(
+            "ood_reasoning",
+            "ood_reasoning",
+            n=2,
+            label="hard reasoning (out of distribution)",
+            max_new_tokens=32,
+            half="report",
+        ),
         PromptSetSpec("predictable", BUILTIN_PREDICTABLE, n=2, label="predictable", max_new_tokens=32),
     ]
 

@@ -43,8 +43,9 @@ class BenchServedConfig:
     export_dir: str = "auto"
     """The exported drafter (a trainer checkpoint or run directory also loads), or ``auto`` (the newest drafter
     under ``runs/``)."""
-    source: str = "reasoning_gym"
-    """Prompt source (what ``eval.prompt_sets[].source`` takes); the default is the bench's hard reasoning."""
+    source: str = "ood_reasoning"
+    """Prompt source (what ``eval.prompt_sets[].source`` takes); the default is out-of-distribution hard reasoning
+    (reasoning-gym tasks no training mixture uses)."""
     n: int = 12
     """Prompts drawn from the source (seeded by ``seed``)."""
     max_new_tokens: int = 192
