@@ -43,6 +43,7 @@ import torch
 from eyas.command import Command, command_line
 from eyas.common import ConfigError, build_config, json_hash
 from eyas.eval.acceptance import (
+    REFERENCE,
     AcceptanceResult,
     MethodSpec,
     PromptSetSpec,
@@ -109,6 +110,14 @@ class ContextConfig:
     """Tokens at each end of the text ``check_target`` scores."""
     bootstrap: int = 1000
     """Bootstrap resamples over prompts for the 95% intervals of τ and tokens/s (0: none)."""
+    dtype: str = "auto"
+    """The numerics, as ``eval.dtype`` (:meth:`eval.stage.EvalStageConfig.numerics`). ``auto`` on a CPU with bf16
+    units: the speculative methods decode in bf16 with row-exact attention where the exactness probe passes (their
+    greedy output must equal plain decoding's on the same numerics, the ``greedy match`` column), plain decoding
+    (``none``, the speedup baseline) is timed on bf16 ``sdpa``, its fastest. It costs a second prefill per prompt
+    (the baseline's own). ``target``: every method on the loaded target's numerics, one prefill per prompt; in bf16
+    a multi-row verify then rounds otherwise than one-token decoding, so greedy outputs part at near-ties and the
+    match column measures numerics, not losslessness."""
     out_dir: str = "runs/context"
     """Results go to ``<out_dir>/<hash of the settings, drafter and target>/``."""
 
@@ -118,6 +127,10 @@ class ContextConfig:
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"context.lengths must be positive token counts, got {self.lengths}")
         self.lengths = sorted(set(int(n) for n in self.lengths))
+        if self.dtype not in ("auto", "target", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"context.dtype must be auto, target, bfloat16, float16 or float32 (as eval.dtype), not {self.dtype!r}"
+            )
         bad = [m for m in self.methods if m not in METHODS]
         if bad or not self.methods:
             raise ValueError(f"context.methods: unknown {bad} (known: {list(METHODS)})")
@@ -383,11 +396,43 @@ def sweep_methods(cfg: ContextConfig) -> list[MethodSpec]:
     return out
 
 
+@dataclass
+class SweepNumerics:
+    """The targets a sweep decodes with (``ContextConfig.dtype``)."""
+
+    verify: Target
+    """The speculative methods' and the greedy reference's."""
+    baseline: Target | None
+    """Plain decoding's, when it differs from ``verify`` (None: ``verify``)."""
+    note: str
+    """One line saying which numerics and why (printed in the report)."""
+
+
+def sweep_numerics(target: Target, cfg: ContextConfig) -> SweepNumerics:
+    """The evaluation's own choice of numerics (:meth:`eval.stage.EvalStageConfig.numerics`) for ``cfg``'s methods,
+    or the loaded target for all of them (``dtype: target``)."""
+    from eyas.eval.stage import EvalStageConfig
+
+    if cfg.dtype == "target":
+        note = f"{target.dtype} with {target.attention} attention for every method (context.dtype=target)"
+        return SweepNumerics(target, None, note)
+    ecfg = EvalStageConfig(
+        prompt_sets=[cfg.prompts], dtype=cfg.dtype, chain_length=cfg.chain_length, methods=list(cfg.methods)
+    )
+    n = ecfg.numerics(target)
+    return SweepNumerics(n.verify, None if n.baseline is n.verify else n.baseline, n.note)
+
+
 def measure(
-    target: Target, drafter, prompts: dict[int, list[list[int]]], cfg: ContextConfig
+    target: Target,
+    drafter,
+    prompts: dict[int, list[list[int]]],
+    cfg: ContextConfig,
+    baseline: Target | None = None,
 ) -> list[ContextPoint]:
     """Generate every prompt at every length with every method of ``cfg``; one point per (method, length), and
-    per (method, length bin) of the target's own long answers when ``cfg.answer_tokens`` is set."""
+    per (method, length bin) of the target's own long answers when ``cfg.answer_tokens`` is set. ``target``
+    decodes the speculative methods, ``baseline`` (when given) plain decoding."""
     methods = sweep_methods(cfg)
     spec = cfg.prompts
     sets = {
@@ -400,10 +445,12 @@ def measure(
             PromptSetSpec(ANSWER_SET, spec.source, len(bare), spec.label, cfg.answer_tokens),
             bare,
         )
-    acc = run_acceptance(target, drafter, sets, methods, SamplingConfig())
+    acc = run_acceptance(target, drafter, sets, methods, SamplingConfig(), baseline=baseline)
     points = points_from(acc, prompts, cfg.chain_length, cfg.bootstrap) + answer_points(
         acc, cfg.lengths, cfg.chain_length, cfg.bootstrap
     )
+    # plain decoding on the speculative methods' numerics ran only as their greedy reference (the match column)
+    points = [p for p in points if p.method != REFERENCE]
     own = None if drafter is None else drafter.config.attention_window
     window = {  # what each drafting method's drafter attended over (None: everything)
         m.name: own if m.attention_window is None else (m.attention_window or None)
@@ -494,9 +541,15 @@ def run(
             loss.span,
             loss.last,
         )
+    numerics = sweep_numerics(target, cfg)
+    log.info("numerics: %s", numerics.note)
     result = ContextResult(
-        points=measure(target, drafter, prompts, cfg),
-        config={**json.loads(json.dumps(asdict(cfg), default=str)), "command": command},
+        points=measure(numerics.verify, drafter, prompts, cfg, numerics.baseline),
+        config={
+            **json.loads(json.dumps(asdict(cfg), default=str)),
+            "command": command,
+            "numerics": numerics.note,
+        },
         target=target.info.to_dict(),
         out=out,
         seconds=time.perf_counter() - t0,
@@ -590,6 +643,8 @@ def write_report(result: ContextResult) -> Path:
             "",
             "τ = tokens per verify step (bonus included); step time = wall clock per verify step after prefill; "
             "tokens/s = τ ÷ step time; speedup over `none` at the same length.",
+            "",
+            f"Numerics: {result.config['numerics']}." if result.config.get("numerics") else "",
             "",
             f"![τ, step time and tokens/s against context]({fig.name})",
             "",

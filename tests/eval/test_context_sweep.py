@@ -160,6 +160,12 @@ def test_tau_against_context_and_its_use_by_diagnose(tmp_path):
     assert {(p.method, p.length) for p in res.points} == {
         (m, n) for m in ("eagle3-chain", "prompt-lookup", "none") for n in (24, 96)
     }
+    # the evaluation's numerics (issue 35): speculative methods on row-exact bf16, plain decoding timed on sdpa
+    from eyas.serving.models.target import cpu_has_bf16
+
+    if cpu_has_bf16():
+        assert "row-exact" in res.config["numerics"] and "sdpa" in res.config["numerics"]
+        assert "Numerics: torch.bfloat16 with row-exact attention" in (res.out / "context.md").read_text()
     for p in res.points:
         assert p.match_rate == 1.0  # greedy: every method emits plain decoding's tokens
         assert p.tokens_per_s == pytest.approx(1e3 * p.tau / p.step_ms)
@@ -239,7 +245,10 @@ def test_context_grown_by_the_targets_answer_with_intervals_and_the_targets_long
     assert all(p.attention_window == (16 if p.method != "none" else None) for p in res.points)
     for p in answer:  # each step in the bin of the largest length <= its context
         assert p.length <= p.mean_context < (64 if p.length == 24 else 1 << 30)
-        assert p.steps == len(p.accepted) and p.match_rate == 1.0
+        assert p.steps == len(p.accepted)
+        # the drafter's output is the reference's (plain decoding on its numerics) token for token; `none` is timed
+        # on sdpa, other bf16 numerics, whose 120-token answers may part from the reference at a near-tie
+        assert p.method == "none" or p.match_rate == 1.0
     for p in res.points:
         lo, hi = p.tau_ci
         assert lo <= hi and lo - 0.2 <= p.tau <= hi + 0.2, (p.method, p.kind, p.tau_ci, p.tau)
