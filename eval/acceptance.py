@@ -378,12 +378,16 @@ def run_acceptance(
     warmup: bool = True,
     baseline: Target | None = None,
     share_prefill: bool = True,
+    prefill_across_copies: bool = False,
 ) -> AcceptanceResult:
     """Generate every prompt of every set with every method; see the module docstring.
 
     prompt_sets: name -> (spec, token-id prompts). baseline: the target plain decoding (``none``) is timed on
     (None: ``target``). share_prefill: the methods on one target continue from one prefill of each prompt
     (same outputs and timings; False runs the target's prefill for every method, e.g. to time it each time).
+    prefill_across_copies: with ``share_prefill``, the baseline's copy and ``target`` (same model and dtype) also
+    continue from one prefill of each prompt (:class:`serving.loop.PrefillMemo`), the one the prompt's first
+    method ran: one long prefill per prompt instead of two (``eyas context``).
     """
     sampling = sampling or SamplingConfig()
     if not prompt_sets or not any(p for _, p in prompt_sets.values()):
@@ -396,10 +400,13 @@ def run_acceptance(
     shared = Counter(id(t) for t in plan.targets.values())
 
     def memo_for(on: Target, memo: PrefillMemo | None) -> PrefillMemo | None:
-        return memo if shared[id(on)] > 1 else None
+        return memo if shared[id(on)] > 1 or prefill_across_copies else None
+
+    def new_memo() -> PrefillMemo | None:
+        return PrefillMemo(across_copies=prefill_across_copies) if share_prefill else None
 
     first = next(p for _, p in prompt_sets.values() if p)[0]
-    memo = PrefillMemo() if share_prefill else None
+    memo = new_memo()
     for m in plan.methods:  # fail on a mismatched drafter before the long run, and warm every path up
         on = plan.targets[m.name]
         proposers[m.name].reset(torch.as_tensor(first), target=on.info, max_len=len(first) + 8)
@@ -413,7 +420,7 @@ def run_acceptance(
     for set_name, (spec, prompts) in prompt_sets.items():
         runs: dict[str, list[GenerationResult]] = {m.name: [] for m in plan.methods}
         for prompt in prompts:
-            memo = PrefillMemo() if share_prefill else None  # this prompt's only: the last one's is freed
+            memo = new_memo()  # this prompt's only: the last one's is freed
             for m in method_order(plan.methods, index):
                 on = plan.targets[m.name]
                 runs[m.name].append(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -114,10 +115,15 @@ class ContextConfig:
     """The numerics, as ``eval.dtype`` (:meth:`eval.stage.EvalStageConfig.numerics`). ``auto`` on a CPU with bf16
     units: the speculative methods decode in bf16 with row-exact attention where the exactness probe passes (their
     greedy output must equal plain decoding's on the same numerics, the ``greedy match`` column), plain decoding
-    (``none``, the speedup baseline) is timed on bf16 ``sdpa``, its fastest. It costs a second prefill per prompt
-    (the baseline's own). ``target``: every method on the loaded target's numerics, one prefill per prompt; in bf16
+    (``none``, the speedup baseline) is timed on bf16 ``sdpa``, its fastest; both copies continue from one prefill
+    per prompt (``one_prefill``). ``target``: every method on the loaded target's numerics, one prefill per prompt; in bf16
     a multi-row verify then rounds otherwise than one-token decoding, so greedy outputs part at near-ties and the
     match column measures numerics, not losslessness."""
+    one_prefill: bool = True
+    """With two numerics copies (``dtype: auto``): both continue from one prefill of each prompt, the one its
+    first method ran (:class:`serving.loop.PrefillMemo` ``across_copies``); a prefill at 32k tokens takes minutes
+    on a CPU. Decoding keeps each copy's numerics, and the match column compares methods that start from the
+    same state. false: each copy runs its own prefill."""
     out_dir: str = "runs/context"
     """Results go to ``<out_dir>/<hash of the settings, drafter and target>/``."""
 
@@ -383,6 +389,15 @@ def window_suffix(window: int | None) -> str:
     return "" if window is None else "-wfull" if window == 0 else f"-w{window}"
 
 
+def split_window(method: str) -> tuple[str, int | None]:
+    """``eagle3-chain-w512`` -> (``eagle3-chain``, 512); ``-wfull`` -> (base, 0); no suffix -> (method, None)
+    (the inverse of :func:`window_suffix`)."""
+    m = re.fullmatch(r"(.+)-w(full|[1-9][0-9]*)", method)
+    if not m:
+        return method, None
+    return m.group(1), 0 if m.group(2) == "full" else int(m.group(2))
+
+
 def sweep_methods(cfg: ContextConfig) -> list[MethodSpec]:
     """``cfg.methods`` at K = ``cfg.chain_length``, each EAGLE-3 method once per entry of ``cfg.windows``."""
     out = []
@@ -445,7 +460,15 @@ def measure(
             PromptSetSpec(ANSWER_SET, spec.source, len(bare), spec.label, cfg.answer_tokens),
             bare,
         )
-    acc = run_acceptance(target, drafter, sets, methods, SamplingConfig(), baseline=baseline)
+    acc = run_acceptance(
+        target,
+        drafter,
+        sets,
+        methods,
+        SamplingConfig(),
+        baseline=baseline,
+        prefill_across_copies=cfg.one_prefill,
+    )
     points = points_from(acc, prompts, cfg.chain_length, cfg.bootstrap) + answer_points(
         acc, cfg.lengths, cfg.chain_length, cfg.bootstrap
     )

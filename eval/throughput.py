@@ -159,6 +159,27 @@ class CostCurves:
             [draft * x for x in self.propose_ms],
         )
 
+    def windowed(self, window: int) -> CostCurves:
+        """The costs of the same drafter attending over at most ``window`` tokens (a sliding window,
+        ``eyas context``'s ``eagle3-chain-w<n>``): every drafter time read at ``min(context, window)``, verify
+        and bookkeeping unchanged (the target still reads the whole context). Below the shortest profiled
+        context the drafter time is held at that context's (interpolation clamps), so it never drops under
+        a measured cost."""
+        if window <= 0:
+            raise ValueError(f"a drafter window must be a positive number of tokens, got {window}")
+
+        def clamp(series: Sequence[float]) -> list[float]:
+            return [self._at(series, min(c, window)) for c in self.context_lengths]
+
+        return CostCurves(
+            list(self.context_lengths),
+            {k: list(v) for k, v in self.verify_ms.items()},
+            {k: list(v) for k, v in self.bookkeeping_ms.items()},
+            {k: clamp(v) for k, v in self.draft_rows_ms.items()},
+            clamp(self.draft_step_ms) if self.draft_step_ms else [],
+            list(self.propose_ms),
+        )
+
     def monotone(self) -> CostCurves:
         """The same curves with verify and drafter times made non-decreasing in the tokens / rows processed at
         every context length (pool-adjacent-violators): more work never costs less, so a dip is timing noise.

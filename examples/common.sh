@@ -30,7 +30,7 @@ smoke_sizes() {
   EXTRACT=(extract.concurrency=2 extract.threads=1 extract.server.max_model_len=1024)
   TRAIN=(drafter.draft_vocab_size=1024 train.max_steps=8 train.eval_every=4 train.save_every=4 train.threads=1
          train.data.eval_fraction=0.25 train.data.loader.batch_rows=1 train.data.loader.max_tokens=512)
-  EVAL=("eval.prompt_sets=[{name: ood_reasoning, source: ood_reasoning, half: report, n: 2, label: hard reasoning (out of distribution), max_new_tokens: 32}]"
+  EVAL=("eval.prompt_sets=[{name: ood_reasoning, source: ood_reasoning, half: report, n: 2, label: 'hard reasoning (out of distribution)', max_new_tokens: 32}]"
         eval.max_prompt_tokens=1024 eval.server.max_model_len=2048 eval.threads=1)
 }
 

@@ -124,10 +124,12 @@ class ContextProjection:
     """The context length of this run whose τ is held constant."""
     beyond_profile: bool
     """The length lies past this run's longest profiled context: step costs are held at that context's."""
+    plain: StepPrediction | None = None
+    """Plain decoding (K = 0) at the same length and costs."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("measured", "best", "constant"):
+        for key in ("measured", "best", "constant", "plain"):
             d[key] = None if getattr(self, key) is None else getattr(self, key).to_dict()
         return d
 
@@ -136,14 +138,18 @@ def project_context(
     path: str, cells: list[CellResult], costs: CostCurves, specs: dict[str, MethodSpec]
 ) -> list[ContextProjection]:
     """Price every chain point of a τ(context) measurement with ``costs`` (see :class:`ContextProjection`)."""
-    from eyas.eval.context_sweep import load_tau_context
+    from eyas.eval.context_sweep import load_tau_context, split_window
 
     measured = load_tau_context(path)
-    costs = costs.monotone()
-    top = max(costs.context_lengths)
+    full_costs = costs.monotone()
+    top = max(full_costs.context_lengths)
     out = []
     for p in measured.points:
-        spec = specs.get(p.method)
+        # a windowed method (eagle3-chain-w512) is this run's drafter attending over its last n tokens: priced
+        # with the drafter's costs read at min(context, n), its own τ held constant from the unwindowed method
+        base, window = split_window(p.method)
+        spec = specs.get(p.method) or (specs.get(base) if window is not None else None)
+        costs = full_costs.windowed(window) if window else full_costs
         if (
             spec is None
             or spec.mode != "chain"
@@ -155,7 +161,7 @@ def project_context(
         kind = drafter_kind(spec)
         curve = AcceptanceCurve.from_steps(p.accepted, p.drafted, k=p.chain_length)
         sweep = sweep_chain(costs, curve, p.mean_context, p.chain_length, kind)
-        own = [c for c in cells if c.method == p.method and c.curve is not None]
+        own = [c for c in cells if c.method in (p.method, base) and c.curve is not None]
         constant, constant_from = None, None
         if own:
             first = min(c.context for c in own)
@@ -175,9 +181,21 @@ def project_context(
                 constant=constant,
                 constant_from=constant_from,
                 beyond_profile=p.mean_context > top,
+                plain=sweep.options[0],
             )
         )
     return out
+
+
+def fastest_per_length(projections: list[ContextProjection]) -> dict[int, ContextProjection]:
+    """Per measured context length, the projection whose best chain length gives the most tokens/s: the
+    method (drafter window included) and K to serve in that context band (best K = 0: no speculation)."""
+    out: dict[int, ContextProjection] = {}
+    for p in projections:
+        cur = out.get(p.length)
+        if cur is None or p.best.tokens_per_s > cur.best.tokens_per_s:
+            out[p.length] = p
+    return dict(sorted(out.items()))
 
 
 @dataclass

@@ -118,6 +118,21 @@ def recommendation_markdown(result: DiagnoseResult) -> str:
     return "\n".join(md)
 
 
+def context_choice_markdown(result: DiagnoseResult) -> str:
+    """Per context length, the method (its drafter window included) and K predicted fastest."""
+    from eyas.eval.diagnose.analysis import fastest_per_length
+
+    lines = [
+        "| context length | serve | K | predicted tok/s | plain decoding tok/s |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for length, p in fastest_per_length(result.context_projections).items():
+        serve = "plain decoding" if p.best_k == 0 else p.method
+        plain = "—" if p.plain is None else f"{p.plain.tokens_per_s:.2f}"
+        lines.append(f"| {length} | {serve} | {p.best_k} | {p.best.tokens_per_s:.2f} | {plain} |")
+    return "\n".join(lines)
+
+
 def context_projection_markdown(result: DiagnoseResult) -> str:
     lines = [
         "| method | L (mean) | K | τ measured at L | step ms | predicted tok/s | best K (tok/s) "
@@ -235,6 +250,10 @@ def write_report(result: DiagnoseResult, out_dir: str | Path, command: str | Non
             "long-context measurements would.",
             "",
             context_projection_markdown(result),
+            "",
+            "What to serve in each context band (the fastest method and K above, drafter windows included):",
+            "",
+            context_choice_markdown(result),
             "",
         ]
     if result.notes:

@@ -336,3 +336,101 @@ def test_the_old_attention_window_key_names_windows():
         ContextConfig(windows=[None, None])
     with pytest.raises(ValueError, match="context.windows must be distinct"):
         ContextConfig(windows=[-3])
+
+
+def test_window_method_names_round_trip():
+    from eyas.eval.context_sweep import split_window, window_suffix
+
+    for window in (None, 0, 4, 512):
+        assert split_window("eagle3-chain" + window_suffix(window)) == ("eagle3-chain", window)
+    assert split_window("prompt-lookup") == ("prompt-lookup", None)
+    assert split_window("eagle3-chain-w0") == ("eagle3-chain-w0", None)  # 0 is written -wfull
+
+
+def test_a_windowed_drafter_is_priced_at_its_window_and_the_target_at_the_whole_context():
+    from eyas.eval.throughput import CostCurves
+
+    costs = CostCurves(
+        [100, 1000, 10000],
+        {1: [10.0, 20.0, 80.0], 7: [12.0, 25.0, 100.0]},
+        draft_rows_ms={1: [2.0, 4.0, 20.0], 4: [3.0, 6.0, 30.0]},
+        draft_step_ms=[1.0, 2.0, 10.0],
+    )
+    w = costs.windowed(1000)
+    assert w.verify_ms == costs.verify_ms  # the target still reads everything
+    assert w.draft_step_ms == [1.0, 2.0, 2.0] and w.draft_rows_ms == {1: [2.0, 4.0, 4.0], 4: [3.0, 6.0, 6.0]}
+    assert costs.windowed(550).draft_step(10000) == pytest.approx(1.5)  # read between the profiled lengths
+    assert costs.windowed(50).draft_step_ms == [1.0, 1.0, 1.0]  # never under the shortest measured cost
+    with pytest.raises(ValueError, match="positive"):
+        costs.windowed(0)
+
+
+def test_diagnose_prices_a_windowed_method_and_names_what_to_serve_per_context_band(tmp_path):
+    import torch
+
+    from eyas.eval.acceptance import PromptSetSpec, default_methods
+    from eyas.eval.context_sweep import ContextConfig, ContextJob, run
+    from eyas.eval.diagnose.analysis import fastest_per_length
+    from eyas.eval.diagnose.config import DiagnoseConfig, drafter_kind
+    from eyas.eval.diagnose.context_prompts import prompts_from_ids
+    from eyas.eval.diagnose.report import write_report
+    from eyas.eval.diagnose.run import diagnose
+    from eyas.eval.throughput import AcceptanceCurve, predict_chain
+    from eyas.serving.load import random_drafter
+
+    torch.set_num_threads(1)
+    target = make_tiny_target("llama")
+    drafter = random_drafter(target, 64, seed=3)
+    spec = PromptSetSpec("periodic", "ids", 1, "predictable", max_new_tokens=10)
+    filler = torch.randint(20, 200, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+    period = [11, 12, 13, 14, 15, 16] * 3
+    cfg = ContextConfig(
+        lengths=[24, 96],
+        prompts=spec,
+        methods=["eagle3-chain", "none"],
+        chain_length=3,
+        windows=[None, 8],
+        bootstrap=0,
+        out_dir=str(tmp_path / "ctx"),
+    )
+    by_length = prompts_from_ids(spec, [period], filler, [24, 96]).by_context
+    res = run(ContextJob(context=cfg), target=target, drafter=drafter, prompts=by_length)
+    dcfg = DiagnoseConfig(
+        methods=["eagle3-chain"],
+        chain_length=3,
+        contexts=[8, 96],
+        prompt_sets=[spec],
+        rounds=1,
+        profile_repeats=1,
+        tau_context=str(res.out / "context.json"),
+        out_dir=str(tmp_path / "diag"),
+    )
+    prompts = {"periodic": prompts_from_ids(spec, [period], filler, [8, 96])}
+    result = diagnose(target, dcfg, drafter=drafter, prompts=prompts)
+    proj = {(p.method, p.length): p for p in result.context_projections}
+    assert set(proj) == {(m, n) for m in ("eagle3-chain", "eagle3-chain-w8") for n in (24, 96)}
+    costs = result.costs.monotone()
+    for n in (24, 96):
+        full, windowed = proj[("eagle3-chain", n)], proj[("eagle3-chain-w8", n)]
+        point = res.get("eagle3-chain-w8", n)
+        assert windowed.measured.tau == pytest.approx(1 + sum(point.accepted) / len(point.accepted))
+        # its drafter work is priced at 8 tokens of context (the full drafter's at the whole context)
+        curve = AcceptanceCurve.from_steps(point.accepted, point.drafted, k=3)
+        kind = drafter_kind(default_methods(3)[0])
+        at_window = predict_chain(costs.windowed(8), curve, windowed.context, 3, kind)
+        at_context = predict_chain(costs, curve, windowed.context, 3, kind)
+        assert windowed.measured.draft_ms == pytest.approx(at_window.draft_ms)
+        assert windowed.measured.draft_ms != pytest.approx(at_context.draft_ms)
+        assert windowed.measured.verify_ms == pytest.approx(at_context.verify_ms)  # the target reads it all
+        assert (
+            windowed.constant_from == full.constant_from
+        )  # its τ held constant from the unwindowed drafter's
+        assert windowed.plain.tokens_per_s == pytest.approx(full.plain.tokens_per_s)
+    best = fastest_per_length(result.context_projections)
+    assert set(best) == {24, 96}
+    for n, p in best.items():
+        assert p.best.tokens_per_s == max(
+            q.best.tokens_per_s for q in result.context_projections if q.length == n
+        )
+    text = write_report(result, tmp_path / "diag").read_text()
+    assert "What to serve in each context band" in text and "| 96 |" in text

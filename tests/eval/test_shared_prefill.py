@@ -43,7 +43,7 @@ def counted(target, prefills: list):
     return target
 
 
-def run(share: bool, monkeypatch):
+def run(share: bool, monkeypatch, across: bool = False):
     """One run of every method (chain, tree, prompt lookup, plain decoding on an sdpa copy, the row-exact
     reference) over PROMPTS: (prefill forwards, method -> the generation of each prompt, the result)."""
     base = make_tiny_target("llama")
@@ -69,7 +69,13 @@ def run(share: bool, monkeypatch):
     methods = default_methods(3, TreeConfig(topk=2, depth=3, total_tokens=6))
     spec = PromptSetSpec("s", "ids", len(PROMPTS), "s", max_new_tokens=12)
     acc = run_acceptance(
-        verify, drafter, {"s": (spec, PROMPTS)}, methods, baseline=baseline, share_prefill=share
+        verify,
+        drafter,
+        {"s": (spec, PROMPTS)},
+        methods,
+        baseline=baseline,
+        share_prefill=share,
+        prefill_across_copies=across,
     )
     return prefills, gens, acc, (verify, baseline)
 
@@ -97,3 +103,26 @@ def test_methods_share_one_prefill_per_prompt_and_target_with_identical_outputs_
             assert g.prefill_s >= PREFILL_S
             assert g.total_s >= g.prefill_s + 0.999 * sum(s.step_s for s in g.steps)
     assert all(r.mean_ttft_ms >= 1e3 * PREFILL_S for r in acc.results)
+
+
+def test_the_two_numerics_copies_can_share_one_prefill_per_prompt(monkeypatch):
+    """``prefill_across_copies`` (eyas context's one_prefill): the row-exact copy and the sdpa copy continue from
+    one prefill of each prompt, the one the prompt's first method ran; methods on the copy that prefilled decode
+    as they do from their own copy's prefill, and the greedy match against plain decoding still holds."""
+    prefills, across, acc, (verify, baseline) = run(True, monkeypatch, across=True)
+    _, per_copy, _, _ = run(True, monkeypatch)
+    once = [tuple(p) for p in [PROMPTS[0], *PROMPTS]]
+    assert [p for _, p in prefills] == once  # one prefill per prompt over both copies (warm-up included)
+    methods = default_methods(3, TreeConfig(topk=2, depth=3, total_tokens=6))
+    plan = acceptance.plan_run(methods, verify, baseline, True)
+    order = [m.name for m in plan.methods]
+    on_baseline = {"none"}
+    for i, (t, _) in enumerate(prefills[1:]):  # the prompt's first method chose the copy
+        first = acceptance.method_order(plan.methods, i)[0].name
+        assert (t is baseline) == (first in on_baseline)
+        same_copy = [n for n in order if (n in on_baseline) == (t is baseline)]
+        for name in same_copy:
+            assert across[name][i].tokens == per_copy[name][i].tokens, (name, i)
+    for r in acc.results:
+        if r.method in ("eagle3-chain", "prompt-lookup"):
+            assert r.match_rate == 1.0
