@@ -619,7 +619,7 @@ def plot(result: ContextResult, path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     methods = list(dict.fromkeys((p.method, p.kind) for p in result.points))
-    for ax, attr, label in zip(
+    for ax, attr, ylabel in zip(
         axes, ("tau", "step_ms", "tokens_per_s"), ("τ (tokens per step)", "step time (ms)", "tokens/s")
     ):
         for m, kind in methods:
@@ -640,7 +640,7 @@ def plot(result: ContextResult, path: Path) -> Path:
                 ax.plot(xs, ys, marker="o", linestyle=style, label=label)
         ax.set_xscale("log")
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("τ, step time and tokens/s = τ ÷ step time against context length")

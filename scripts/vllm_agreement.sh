@@ -6,14 +6,14 @@
 # The demo's drafter reaches that τ on its in-distribution reasoning set only (out of distribution it accepts ~1.3:
 # the check is "inconclusive" there, reported beside it).
 #
-# Usage: EXPORT=<the demo's export dir> scripts/vllm_agreement.sh     (`make vllm` first; ~10 min on 2 cores)
+# Usage: EXPORT=<the demo's export dir> [THREADS=2] scripts/vllm_agreement.sh     (`make vllm` first; ~10 min on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-: "${EXPORT:?EXPORT=<export dir> (make demo's runs/export/<hash>)}"
+: "${EXPORT:?EXPORT=<export dir> (the runs/export/<hash> of make demo)}"
 logs=runs/scripts/vllm_agreement
 mkdir -p "$logs"
 "$PY" -m eyas.eval eval.export_dir="$EXPORT" eval.engine=vllm 'eval.methods=[eagle3-chain]' eval.profile=null \
-  eval.threads=2 eval.server.max_model_len=2048 eval.chain_length=6 eval.out_dir="$logs" \
-  'eval.prompt_sets=[{name:reasoning_in_dist,source:reasoning_gym,in_distribution:true,n:8,label:hard reasoning,max_new_tokens:128},{name:ood_reasoning,source:ood_reasoning,half:report,n:8,label:hard reasoning,max_new_tokens:128}]' \
+  eval.threads="${THREADS:-2}" eval.server.max_model_len=2048 eval.chain_length=6 work_dir="$logs" \
+  'eval.prompt_sets=[{name:reasoning_in_dist,source:reasoning_gym,in_distribution:true,n:8,label:"hard reasoning (in distribution)",max_new_tokens:128},{name:ood_reasoning,source:ood_reasoning,half:report,n:8,label:"hard reasoning (out of distribution)",max_new_tokens:128}]' \
   | tee "$logs/eval.log"

@@ -434,3 +434,36 @@ def test_diagnose_prices_a_windowed_method_and_names_what_to_serve_per_context_b
         )
     text = write_report(result, tmp_path / "diag").read_text()
     assert "What to serve in each context band" in text and "| 96 |" in text
+
+
+def test_the_context_figure_names_its_axes_not_a_method(tmp_path, monkeypatch):
+    """Each panel's y axis says what it plots (the loop's legend label once overwrote it: every axis read
+    "none")."""
+    from matplotlib.figure import Figure
+
+    from eyas.eval.context_sweep import ContextPoint, ContextResult, plot
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: saved.append(self))
+    def point(method, length, tau):
+        return ContextPoint(
+            method=method,
+            length=length,
+            mean_context=float(length),
+            prompt_tokens=float(length),
+            tau=tau,
+            acceptance_by_position=[],
+            step_ms=10.0 * tau,
+            draft_ms=1.0,
+            verify_ms=9.0 * tau,
+            tokens_per_s=100.0,
+            speedup=1.0,
+            match_rate=1.0,
+            steps=4,
+        )
+
+    points = [point(m, n, 1.2) for m in ("eagle3-chain", "none") for n in (64, 128)]
+    result = ContextResult(points=points, config={}, target={}, out=tmp_path, seconds=1.0)
+    plot(result, tmp_path / "c.png")
+    (fig,) = saved
+    assert [ax.get_ylabel() for ax in fig.axes] == ["τ (tokens per step)", "step time (ms)", "tokens/s"]
