@@ -445,6 +445,7 @@ def test_the_context_figure_names_its_axes_not_a_method(tmp_path, monkeypatch):
 
     saved = []
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: saved.append(self))
+
     def point(method, length, tau):
         return ContextPoint(
             method=method,
