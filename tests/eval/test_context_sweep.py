@@ -130,33 +130,67 @@ def test_prefixes_are_held_out_chat_turns_that_reach_the_length(smollm_tokenizer
 
 
 # -- tau against context ---------------------------------------------------------------------------------------------
+class PeriodicSweep:
+    """The tiny target and a random drafter, one periodic prompt after filler at 24 and 96 tokens, swept by
+    ``eyas context`` (``res``); :meth:`diagnose` then profiles the same prompt at ``contexts`` and prices the
+    sweep's points (``diagnose.tau_context``)."""
+
+    def __init__(self, tmp_path, methods, windows=(None,), bootstrap=1000):
+        import torch
+
+        from eyas.eval.acceptance import PromptSetSpec
+        from eyas.eval.context_sweep import ContextConfig, ContextJob, run
+        from eyas.serving.load import random_drafter
+
+        self.tmp_path = tmp_path
+        self.target = make_tiny_target("llama")
+        self.drafter = random_drafter(self.target, 64, seed=3)
+        self.spec = PromptSetSpec("periodic", "ids", 1, "predictable", max_new_tokens=10)
+        self.filler = torch.randint(20, 200, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+        self.period = [11, 12, 13, 14, 15, 16] * 3
+        cfg = ContextConfig(
+            lengths=[24, 96],
+            prompts=self.spec,
+            methods=list(methods),
+            chain_length=3,
+            windows=list(windows),
+            bootstrap=bootstrap,
+            out_dir=str(tmp_path / "ctx"),
+        )
+        by_length = self.prompts_at([24, 96]).by_context
+        self.res = run(ContextJob(context=cfg), target=self.target, drafter=self.drafter, prompts=by_length)
+
+    def prompts_at(self, lengths):
+        from eyas.eval.diagnose.context_prompts import prompts_from_ids
+
+        return prompts_from_ids(self.spec, [self.period], self.filler, lengths)
+
+    def diagnose(self, methods, contexts):
+        from eyas.eval.diagnose.config import DiagnoseConfig
+        from eyas.eval.diagnose.run import diagnose
+
+        dcfg = DiagnoseConfig(
+            methods=list(methods),
+            chain_length=3,
+            contexts=list(contexts),
+            prompt_sets=[self.spec],
+            rounds=1,
+            profile_repeats=1,
+            tau_context=str(self.res.out / "context.json"),
+            out_dir=str(self.tmp_path / "diag"),
+        )
+        prompts = {"periodic": self.prompts_at(list(contexts))}
+        return diagnose(self.target, dcfg, drafter=self.drafter, prompts=prompts)
+
+
 def test_tau_against_context_and_its_use_by_diagnose(tmp_path):
     import json
 
-    import torch
-
-    from eyas.eval.acceptance import PromptSetSpec
-    from eyas.eval.context_sweep import ContextConfig, ContextJob, load_tau_context, run
-    from eyas.eval.diagnose.config import DiagnoseConfig
-    from eyas.eval.diagnose.context_prompts import prompts_from_ids
+    from eyas.eval.context_sweep import load_tau_context
     from eyas.eval.diagnose.report import write_report
-    from eyas.eval.diagnose.run import diagnose
-    from eyas.serving.load import random_drafter
 
-    target = make_tiny_target("llama")
-    drafter = random_drafter(target, 64, seed=3)
-    spec = PromptSetSpec("periodic", "ids", 1, "predictable", max_new_tokens=10)
-    filler = torch.randint(20, 200, (256,), generator=torch.Generator().manual_seed(1)).tolist()
-    period = [11, 12, 13, 14, 15, 16] * 3
-    by_length = prompts_from_ids(spec, [period], filler, [24, 96]).by_context
-    cfg = ContextConfig(
-        lengths=[24, 96],
-        prompts=spec,
-        methods=["eagle3-chain", "prompt-lookup", "none"],
-        chain_length=3,
-        out_dir=str(tmp_path / "ctx"),
-    )
-    res = run(ContextJob(context=cfg), target=target, drafter=drafter, prompts=by_length)
+    sweep = PeriodicSweep(tmp_path, ["eagle3-chain", "prompt-lookup", "none"])
+    res = sweep.res
     assert {(p.method, p.length) for p in res.points} == {
         (m, n) for m in ("eagle3-chain", "prompt-lookup", "none") for n in (24, 96)
     }
@@ -187,18 +221,7 @@ def test_tau_against_context_and_its_use_by_diagnose(tmp_path):
     assert load_tau_context(res.out).points == res.points
 
     # diagnose prices each measured length with its own step costs and the tau measured there
-    dcfg = DiagnoseConfig(
-        methods=["eagle3-chain", "prompt-lookup"],
-        chain_length=3,
-        contexts=[24],
-        prompt_sets=[spec],
-        rounds=1,
-        profile_repeats=1,
-        tau_context=str(res.out / "context.json"),
-        out_dir=str(tmp_path / "diag"),
-    )
-    prompts = {"periodic": prompts_from_ids(spec, [period], filler, [24])}
-    result = diagnose(target, dcfg, drafter=drafter, prompts=prompts)
+    result = sweep.diagnose(["eagle3-chain", "prompt-lookup"], [24])
     proj = {(p.method, p.length): p for p in result.context_projections}
     assert set(proj) == {(m, n) for m in ("eagle3-chain", "prompt-lookup") for n in (24, 96)}
     for (method, length), p in proj.items():
@@ -368,45 +391,16 @@ def test_a_windowed_drafter_is_priced_at_its_window_and_the_target_at_the_whole_
 def test_diagnose_prices_a_windowed_method_and_names_what_to_serve_per_context_band(tmp_path):
     import torch
 
-    from eyas.eval.acceptance import PromptSetSpec, default_methods
-    from eyas.eval.context_sweep import ContextConfig, ContextJob, run
+    from eyas.eval.acceptance import default_methods
     from eyas.eval.diagnose.analysis import fastest_per_length
-    from eyas.eval.diagnose.config import DiagnoseConfig, drafter_kind
-    from eyas.eval.diagnose.context_prompts import prompts_from_ids
+    from eyas.eval.diagnose.config import drafter_kind
     from eyas.eval.diagnose.report import write_report
-    from eyas.eval.diagnose.run import diagnose
     from eyas.eval.throughput import AcceptanceCurve, predict_chain
-    from eyas.serving.load import random_drafter
 
     torch.set_num_threads(1)
-    target = make_tiny_target("llama")
-    drafter = random_drafter(target, 64, seed=3)
-    spec = PromptSetSpec("periodic", "ids", 1, "predictable", max_new_tokens=10)
-    filler = torch.randint(20, 200, (256,), generator=torch.Generator().manual_seed(1)).tolist()
-    period = [11, 12, 13, 14, 15, 16] * 3
-    cfg = ContextConfig(
-        lengths=[24, 96],
-        prompts=spec,
-        methods=["eagle3-chain", "none"],
-        chain_length=3,
-        windows=[None, 8],
-        bootstrap=0,
-        out_dir=str(tmp_path / "ctx"),
-    )
-    by_length = prompts_from_ids(spec, [period], filler, [24, 96]).by_context
-    res = run(ContextJob(context=cfg), target=target, drafter=drafter, prompts=by_length)
-    dcfg = DiagnoseConfig(
-        methods=["eagle3-chain"],
-        chain_length=3,
-        contexts=[8, 96],
-        prompt_sets=[spec],
-        rounds=1,
-        profile_repeats=1,
-        tau_context=str(res.out / "context.json"),
-        out_dir=str(tmp_path / "diag"),
-    )
-    prompts = {"periodic": prompts_from_ids(spec, [period], filler, [8, 96])}
-    result = diagnose(target, dcfg, drafter=drafter, prompts=prompts)
+    sweep = PeriodicSweep(tmp_path, ["eagle3-chain", "none"], windows=[None, 8], bootstrap=0)
+    res = sweep.res
+    result = sweep.diagnose(["eagle3-chain"], [8, 96])
     proj = {(p.method, p.length): p for p in result.context_projections}
     assert set(proj) == {(m, n) for m in ("eagle3-chain", "eagle3-chain-w8") for n in (24, 96)}
     costs = result.costs.monotone()
