@@ -148,7 +148,7 @@ def project_context(
         # a windowed method (eagle3-chain-w512) is this run's drafter attending over its last n tokens: priced
         # with the drafter's costs read at min(context, n), its own τ held constant from the unwindowed method
         base, window = split_window(p.method)
-        spec = specs.get(p.method) or (specs.get(base) if window is not None else None)
+        spec = specs.get(p.method) or specs.get(base)  # base is the method itself when it has no window
         costs = full_costs.windowed(window) if window else full_costs
         if (
             spec is None
