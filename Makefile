@@ -88,7 +88,7 @@ bench-extract: venv
 
 # Lint, format check, then the test suite.
 test: venv lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	PYTHONHASHSEED=0 $(BIN)/python -m pytest $(PYTEST_ARGS)  # reasoning-gym items generated in-process (data/corpora/sources.py)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -177,6 +177,13 @@ class PromptRecord:
     prompt: str = ""
     """The prompt's fingerprint (:func:`prompt_fingerprint`), so that results compared prompt by prompt can be
     checked to come from the same prompts ("": not recorded)."""
+    output: str = ""
+    """The fingerprint of the tokens output (:func:`prompt_fingerprint` of them): equal for two runs that decoded
+    the very same sequence, so an engine's counts can be compared with the bundled loop's on the prompts where
+    both verified the same tokens ("": not recorded)."""
+    accepted_by_position: list[int] = field(default_factory=list)
+    """Entry i: verify steps whose first i+1 draft tokens were accepted (per-position acceptance of this prompt
+    is entry i over ``steps``)."""
 
 
 def prompt_fingerprint(ids: list[int]) -> str:
@@ -306,7 +313,14 @@ def aggregate(prompt_set: str, method: str, label: str, runs: list[GenerationRes
     decode_s = sum(r.decode_s for r in runs)
     n = max(len(steps), 1)
     per_prompt = [
-        PromptRecord(len(r.tokens), sum(s.num_emitted for s in r.steps), len(r.steps), r.total_s)
+        PromptRecord(
+            len(r.tokens),
+            sum(s.num_emitted for s in r.steps),
+            len(r.steps),
+            r.total_s,
+            output=prompt_fingerprint(list(r.tokens)),
+            accepted_by_position=[sum(s.num_accepted >= i for s in r.steps) for i in range(1, depth + 1)],
+        )
         for r in runs
     ]
     return SetMethodResult(

@@ -167,7 +167,10 @@ def engine_rows(engine: list[EngineSetResult], acc: AcceptanceResult, method: st
     for e in engine:
         b = acc.get(e.prompt_set, method)
         nan = float("nan")
-        verdict = check_agreement(e, b).verdict if b else ""
+        verdict = ""
+        if b:
+            ag = check_agreement(e, b)
+            verdict = f"{ag.verdict} (judged on {ag.basis}; same output on {ag.same_outputs}/{ag.prompts})"
         rows.append(
             [
                 e.prompt_set,
@@ -222,7 +225,10 @@ ENGINE_NOTE = (
     "prefill and the first token's choice). [..]: 95% interval over the set's prompts. agreement: the engine's "
     f"τ within {_RULE.tau_rtol:.0%} of the bundled loop's and its acceptance at every position within "
     f"{_RULE.position_atol}; inconclusive where the bundled τ is below {_RULE.min_bundled_tau} (an export served "
-    "wrong runs at τ ≈ 1, which so weak a drafter cannot be told from)."
+    "wrong runs at τ ≈ 1, which so weak a drafter cannot be told from). Judged on the prompts whose output the "
+    f"engine and the bundled loop decoded to the very same tokens when at least {_RULE.min_same_outputs} did (there "
+    "both verified the same sequence, so a gap is the drafter's serving, not two kernels' greedy drift), else on "
+    "all the set's prompts."
 )
 
 GREEDY_MATCH_NOTE = (

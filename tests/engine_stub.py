@@ -7,6 +7,7 @@ Every request generates ``max_tokens`` tokens: the first from prefill, the rest 
 ``A`` of ``K`` drafts (the last step accepts what is left), and publishes vLLM's spec-decode counters for them on
 ``/metrics`` a little after the response (as vLLM's asynchronous stat loggers do). ``/generate`` answers as
 SGLang's native API, with ``spec_verify_ct`` (verify steps, the prefill not among them) in ``meta_info``.
+Completions carry their token ids (:func:`output_ids`: vLLM's ``return_token_ids``, SGLang's ``output_ids``).
 ``/v1/models`` lists ``--extra-model`` (a model this stub does not serve) before its own, as a server with
 several models may; completions for any other model than its own are refused.
 """
@@ -64,6 +65,11 @@ class State:
         return "\n".join(lines) + "\n"
 
 
+def output_ids(prompt: list[int], n: int) -> list[int]:
+    """The ``n`` token ids the stub "generates" for a prompt: a function of the prompt, as greedy decoding is."""
+    return [(sum(prompt) + 7 * j) % 1000 for j in range(n)]
+
+
 def make_handler(
     state: State, ready_at: float, never_ready: bool, model: str = "stub-model", extra: str | None = None
 ):
@@ -108,10 +114,15 @@ def make_handler(
                     return
                 n = int(body["max_tokens"])
                 steps = state.steps(n - 1)  # the first token comes from prefill
-                events = [{"choices": [{"index": 0, "text": "t", "finish_reason": None}]}]
-                events += [
-                    {"choices": [{"index": 0, "text": "t" * (a + 1), "finish_reason": None}]} for a in steps
-                ]
+                ids = output_ids(body["prompt"], n)
+                chunks, at = [1] + [a + 1 for a in steps], 0
+                events = []
+                for size in chunks:
+                    choice = {"index": 0, "text": "t" * size, "finish_reason": None}
+                    if body.get("return_token_ids"):  # vLLM: each chunk's own tokens
+                        choice["token_ids"] = ids[at : at + size]
+                    events.append({"choices": [choice]})
+                    at += size
                 events[-1]["choices"][0]["finish_reason"] = "length"
                 events.append(
                     {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
@@ -126,7 +137,8 @@ def make_handler(
                     "spec_verify_ct": len(steps),
                     "finish_reason": {"type": "length"},
                 }
-                self._stream([{"text": "t" * n, "meta_info": meta}])
+                prompt = body["input_ids"]
+                self._stream([{"text": "t" * n, "output_ids": output_ids(prompt, n), "meta_info": meta}])
             else:
                 self._send(404, "")
 

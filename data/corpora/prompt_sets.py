@@ -13,6 +13,10 @@ Design decisions:
   independent of the seed: a choice made on one half is never reported on the prompts it was made on.
 - ``n`` prompts are taken round-robin over the strata (each one's items in seeded-hash order), so a small ``n``
   covers the tasks (difficulties) evenly.
+- A set is the same in every process: reasoning-gym items are generated under a fixed hash seed
+  (:func:`data.corpora.sources.reasoning_gym_tasks`), since some generators iterate over sets and their items
+  followed Python's per-process hash randomisation (one of ``ood_reasoning``'s 12 report prompts differed between
+  two runs, so their results would not pair).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from eyas.data.corpora.config import (
 )
 from eyas.data.corpora.mixtures import hash01, split_of
 from eyas.data.corpora.records import prompt_only
-from eyas.data.corpora.sources import NATIVE_SPLIT_KINDS, read_source, reasoning_gym_items, reasoning_gym_seed
+from eyas.data.corpora.sources import NATIVE_SPLIT_KINDS, read_source, reasoning_gym_seed, reasoning_gym_tasks
 from eyas.data.types import Conversation
 
 OOD_REASONING_GYM_TASKS = (
@@ -158,9 +162,7 @@ def _reasoning_gym_prompts(tasks: tuple[str, ...], seed: int, source: str) -> tu
             f"{source}: unknown reasoning-gym tasks {unknown}; known: {', '.join(sorted(DATASETS))}"
         )
     base = reasoning_gym_seed(seed, "eval") + PROMPT_ITEM_OFFSET
-    return tuple(
-        c for t in tasks for c in reasoning_gym_items(t, base, PROMPT_POOL, source=source, split="eval")
-    )
+    return tuple(reasoning_gym_tasks(tasks, base, PROMPT_POOL, source=source, split="eval"))
 
 
 def _prompt_source(name: str | SourceConfig | CorpusConfig, seed: int) -> list[Conversation]:

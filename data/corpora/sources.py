@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -166,8 +167,15 @@ def _read_reasoning_gym(
     if want is not None:  # a budget needs only its share of every task (items are a prefix: same seeds)
         size = min(size, -(-want // len(tasks)))
     base = reasoning_gym_seed(src.seed, split)
-    for task in tasks:
-        yield from reasoning_gym_items(task, base, size, source=src.name, split=split, stats=stats)
+    yield from reasoning_gym_tasks(tasks, base, size, source=src.name, split=split, stats=stats)
+
+
+REASONING_GYM_HASH_SEED = "0"
+"""``PYTHONHASHSEED`` reasoning-gym items are generated under. Some generators iterate over sets of strings or
+sympy objects (``polynomial_multiplication``'s monomials, ``isomorphic_strings``, ``ransom_note``), so their items
+follow Python's per-process hash randomisation: the "same" prompt set would differ from one process to the next,
+and two runs' results would not pair. Generation runs in a child process with this hash seed unless this process
+already has it."""
 
 
 def reasoning_gym_items(
@@ -175,22 +183,63 @@ def reasoning_gym_items(
 ) -> Iterator[Conversation]:
     """Items ``base .. base + size - 1`` of one reasoning-gym task (item ``i`` from ``Random(base + i)``), as
     (question, answer) conversations whose id names the item seed."""
+    yield from reasoning_gym_tasks([task], base, size, source=source, split=split, stats=stats)
+
+
+def reasoning_gym_tasks(
+    tasks: Iterable[str], base: int, size: int, *, source: str, split: str, stats: SourceStats | None = None
+) -> Iterator[Conversation]:
+    """:func:`reasoning_gym_items` of every task in order, generated in one go under the fixed hash seed
+    (:data:`REASONING_GYM_HASH_SEED`): the same items in every process."""
+    tasks = list(tasks)
+    for task, pairs in zip(tasks, _generate_reasoning_gym(tasks, base, size)):
+        for i, (question, answer) in enumerate(pairs):
+            if stats is not None:
+                stats.read += 1
+            yield Conversation(
+                id=f"reasoning_gym/{task}/{base + i}",
+                messages=[{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                source=source,
+                meta={"task": task, "answer": answer, "item_seed": base + i, "split": split},
+            )
+
+
+def _generate_reasoning_gym(tasks: list[str], base: int, size: int) -> list[list[tuple[str, str]]]:
+    """(question, answer) of items ``base .. base + size - 1`` of every task: here when this process runs under
+    :data:`REASONING_GYM_HASH_SEED`, else in one child process that does."""
+    if runs_under_fixed_hash_seed():
+        return generate_reasoning_gym_here(tasks, base, size)
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONHASHSEED": REASONING_GYM_HASH_SEED}
+    request = json.dumps({"tasks": tasks, "base": base, "size": size})
+    proc = subprocess.run(
+        [sys.executable, "-m", "eyas.data.corpora.reasoning_gym_worker"],
+        input=request, capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise CorpusError(f"reasoning-gym generation of {tasks} (items {base}+{size}) failed:\n{tail}")
+    return [[(q, a) for q, a in pairs] for pairs in json.loads(proc.stdout)]
+
+
+def runs_under_fixed_hash_seed() -> bool:
+    """Whether this process hashes as under ``PYTHONHASHSEED=0`` (read from how it started, not from
+    ``os.environ``, which a running program can change)."""
+    return sys.flags.hash_randomization == 0
+
+
+def generate_reasoning_gym_here(tasks: list[str], base: int, size: int) -> list[list[tuple[str, str]]]:
+    """(question, answer) of items ``base .. base + size - 1`` of every task, in this process (its hash seed
+    decides the items of the set-iterating generators: see :data:`REASONING_GYM_HASH_SEED`)."""
     import reasoning_gym
 
-    ds = reasoning_gym.create_dataset(task, seed=base, size=size)
-    for i in range(size):
-        if stats is not None:
-            stats.read += 1
-        item = ds[i]
-        yield Conversation(
-            id=f"reasoning_gym/{task}/{base + i}",
-            messages=[
-                {"role": "user", "content": item["question"]},
-                {"role": "assistant", "content": str(item["answer"])},
-            ],
-            source=source,
-            meta={"task": task, "answer": str(item["answer"]), "item_seed": base + i, "split": split},
-        )
+    out = []
+    for task in tasks:
+        ds = reasoning_gym.create_dataset(task, seed=base, size=size)
+        out.append([(ds[i]["question"], str(ds[i]["answer"])) for i in range(size)])
+    return out
 
 
 def _read_mt_bench(src: SourceConfig, split: str, stats: SourceStats) -> Iterator[Conversation]:

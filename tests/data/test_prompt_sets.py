@@ -113,3 +113,47 @@ def test_excluded_prompts_are_replaced_by_others_of_the_set():
     out = load_prompt_set("reasoning_gym", n=6, seed=0, exclude={base[0].id})
     assert len(out) == 6 and base[0].id not in {c.id for c in out}
     assert len({c.id for c in base} & {c.id for c in out}) == 5
+
+
+# these generators iterate over sets of strings or sympy objects: their items followed the hash seed
+HASH_DEPENDENT_TASKS = ("polynomial_multiplication", "isomorphic_strings", "ransom_note")
+_ITEMS_DIGEST = """
+import hashlib, json
+from eyas.data.corpora import load_prompt_set
+from eyas.data.corpora.sources import reasoning_gym_tasks
+items = list(reasoning_gym_tasks({tasks!r}, 1000, 20, source="x", split="train"))
+prompts = load_prompt_set("ood_reasoning", n=12, half="report")
+print(hashlib.sha256(json.dumps([c.messages for c in items + prompts]).encode()).hexdigest())
+"""
+
+
+def test_reasoning_gym_items_and_prompt_sets_are_the_same_in_every_process():
+    """Two processes with other hash seeds (as any two runs of Python have) generate the same training items and
+    the same out-of-distribution prompts, so results measured in two runs pair prompt by prompt. Before, one of
+    the 12 report-half prompts (a polynomial_multiplication item) differed between runs."""
+    import os
+    import subprocess
+    import sys
+
+    code = _ITEMS_DIGEST.format(tasks=list(HASH_DEPENDENT_TASKS))
+    digests = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        digests.add(out.stdout.strip().splitlines()[-1])
+    assert len(digests) == 1
+
+
+def test_the_generation_worker_refuses_a_process_without_the_fixed_hash_seed():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONHASHSEED": "7"}
+    out = subprocess.run(
+        [sys.executable, "-m", "eyas.data.corpora.reasoning_gym_worker"],
+        input='{"tasks": ["ransom_note"], "base": 0, "size": 2}', env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode != 0 and "PYTHONHASHSEED=0" in out.stderr

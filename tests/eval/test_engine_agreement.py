@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.eval.acceptance import PromptSetSpec, default_methods, run_acceptance
-from eyas.eval.engine_eval import EnginePromptRecord, EngineSetResult, check_agreement
+from eyas.eval.acceptance import PromptSetSpec, default_methods, prompt_fingerprint, run_acceptance
+from eyas.eval.engine_eval import AgreementRule, EnginePromptRecord, EngineSetResult, check_agreement
 from eyas.serving.export import WEIGHTS, export, load_exported
 from eyas.serving.loop import generate
 from eyas.serving.models.target import target_from_model
@@ -48,10 +48,20 @@ def serve_like_vllm(export_dir: Path, model, k: int = K) -> EngineSetResult:
     for p in prompts():
         res = generate(target, Eagle3Proposer(drafter, chain_length=k), p, NEW, stop_on_eos=False)
         accepted = sum(s.num_accepted for s in res.steps)
-        records.append(EnginePromptRecord(len(res.tokens), res.total_s, len(res.steps), accepted))
-        for s in res.steps:
-            for i in range(s.num_accepted):
-                per_pos[i] += 1
+        mine = [float(sum(s.num_accepted > i for s in res.steps)) for i in range(k)]
+        records.append(
+            EnginePromptRecord(
+                len(res.tokens),
+                res.total_s,
+                len(res.steps),
+                accepted,
+                prompt_fingerprint(p),
+                prompt_fingerprint(list(res.tokens)),
+                mine,
+            )  # fmt: skip
+        )
+        for i, a in enumerate(mine):
+            per_pos[i] += int(a)
     drafts = sum(r.drafts for r in records)
     accepted = sum(r.accepted for r in records)
     return EngineSetResult(
@@ -97,6 +107,57 @@ def test_an_export_served_right_agrees(case):
     served = serve_like_vllm(out, target.model)
     verdict = check_agreement(served, bundled)
     assert verdict.verdict == "agree", verdict.reasons
+    # the same target decodes the same tokens: judged on every prompt, each with the same output
+    assert verdict.basis == "same outputs" and verdict.same_outputs == verdict.prompts == len(SEEDS)
+    assert verdict.tau_engine == pytest.approx(bundled.tau) and verdict.tau_bundled == pytest.approx(
+        bundled.tau
+    )
+
+
+def drifted(served: EngineSetResult, i: int) -> EngineSetResult:
+    """``served`` with prompt i decoded to another text (as two engines' greedy decoding can drift apart on
+    bf16), on which the engine accepted none of its drafts: the set's τ falls far below the bundled loop's."""
+    out = copy.deepcopy(served)
+    r = out.per_prompt[i]
+    out.accepted -= r.accepted
+    r.output, r.accepted, r.accepted_per_pos = "another-text", 0.0, [0.0] * len(r.accepted_per_pos)
+    out.tau = 1 + out.accepted / out.drafts
+    out.acceptance_by_position = [
+        sum(p.accepted_per_pos[j] for p in out.per_prompt) / out.drafts
+        for j in range(len(r.accepted_per_pos))
+    ]
+    return out
+
+
+def test_a_prompt_decoded_to_another_text_is_left_out_of_the_judgement(case):
+    """Prompts both sides decoded identically are judged; one the engine decoded to another text is not (its
+    counts are on another sequence), so a served-right export still agrees. Without enough same-output prompts
+    the verdict falls back to the whole set, where the drift shows as a disagreement."""
+    target, _, out, bundled = case
+    served = drifted(serve_like_vllm(out, target.model), 0)
+    assert served.tau < bundled.tau * 0.95  # the whole set would disagree
+    verdict = check_agreement(served, bundled)
+    assert verdict.verdict == "agree", verdict.reasons
+    assert verdict.basis == "same outputs" and verdict.same_outputs == len(SEEDS) - 1
+    strict = check_agreement(served, bundled, AgreementRule(min_same_outputs=len(SEEDS)))
+    assert strict.basis == "all prompts" and strict.verdict == "disagree"
+    assert any("τ" in r for r in strict.reasons)
+
+
+def test_same_output_prompts_that_accept_less_in_the_engine_disagree(case):
+    """On the prompts both decoded identically, an engine that accepts less at the second draft position (its
+    counts halved there) is caught, even though every prompt kept its output."""
+    target, _, out, bundled = case
+    served = serve_like_vllm(out, target.model)
+    for r in served.per_prompt:
+        cut = r.accepted_per_pos[1] / 2
+        r.accepted_per_pos = [r.accepted_per_pos[0], cut] + [min(a, cut) for a in r.accepted_per_pos[2:]]
+        r.accepted = sum(r.accepted_per_pos)
+    served.accepted = sum(r.accepted for r in served.per_prompt)
+    served.tau = 1 + served.accepted / served.drafts
+    verdict = check_agreement(served, bundled)
+    assert verdict.basis == "same outputs" and verdict.verdict == "disagree"
+    assert any("position 2" in r for r in verdict.reasons)
 
 
 def test_an_export_with_its_aux_layers_shifted_by_one_is_detected(case, tmp_path):
@@ -106,9 +167,11 @@ def test_an_export_with_its_aux_layers_shifted_by_one_is_detected(case, tmp_path
     config = json.loads((bad / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     (bad / "config.json").write_text(json.dumps(config))
-    verdict = check_agreement(serve_like_vllm(bad, target.model), bundled)
-    assert serve_like_vllm(bad, target.model).tau < bundled.tau - 0.3  # what vLLM would measure: near 1
+    served = serve_like_vllm(bad, target.model)
+    verdict = check_agreement(served, bundled)
+    assert served.tau < bundled.tau - 0.3  # what vLLM would measure: near 1
     assert verdict.verdict == "disagree" and any("τ" in r for r in verdict.reasons)
+    assert verdict.basis == "same outputs"  # lossless: the same tokens, verified with a worse drafter
 
 
 def test_an_export_with_shuffled_weights_is_detected(case, tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from eyas.eval.acceptance import prompt_fingerprint
 from eyas.eval.engine_eval import EngineClient, SpecCounters, measure, parse_prometheus
 from eyas.serving.engine_process import (
     EngineError,
@@ -24,6 +25,7 @@ from eyas.serving.engine_process import (
     free_port,
     health_ok,
 )
+from tests.engine_stub import output_ids
 
 HERE = Path(__file__).resolve().parent
 STUB = HERE.parent / "engine_stub.py"
@@ -146,6 +148,12 @@ def test_stub_server_set_tau_matches_its_scripted_acceptance(tmp_path):
     assert a.tokens == 26 and a.drafts == 8 and a.tau == pytest.approx(3.0)
     assert a.acceptance_by_position == pytest.approx([1.0, 1.0, 0.0, 0.0])
     assert [(p.tokens, p.drafts, p.accepted) for p in a.per_prompt] == [(13, 4, 8), (13, 4, 8)]
+    # each prompt's own fingerprints: the prompt's, and its output's from the ids the server streamed back
+    assert [p.prompt for p in a.per_prompt] == [prompt_fingerprint([1, 2, 3]), prompt_fingerprint([4, 5])]
+    assert [p.output for p in a.per_prompt] == [
+        prompt_fingerprint(output_ids(q, 13)) for q in ([1, 2, 3], [4, 5])
+    ]
+    assert [p.accepted_per_pos for p in a.per_prompt] == [[4.0, 4.0, 0.0, 0.0]] * 2
     assert a.tau_ci.estimate == pytest.approx(3.0) and a.tau_ci.contains(3.0)
     assert a.tokens_per_s_ci.estimate == pytest.approx(a.tokens_per_s)
     assert b.tokens == 10 and b.tau == pytest.approx(3.0)
@@ -163,6 +171,7 @@ def test_sglang_tau_does_not_count_the_prefill_token(tmp_path):
     assert r.drafts == 10 and r.tokens == 22 and r.accepted == 10
     assert r.tau == pytest.approx(2.0)
     assert [(p.tokens, p.drafts, p.accepted) for p in r.per_prompt] == [(11, 5, 5), (11, 5, 5)]
+    assert [p.output for p in r.per_prompt] == [prompt_fingerprint(output_ids(q, 11)) for q in ([1, 2], [3])]
 
 
 def test_dead_server_error_quotes_its_log(tmp_path):
@@ -467,6 +476,56 @@ def test_vllm_serves_an_eyas_export_start_prompts_counters_shutdown(tmp_path):
     assert r.tau == pytest.approx(1 + r.accepted / r.drafts) and 1.0 <= r.tau <= k + 1
     assert len(r.acceptance_by_position) == k
     assert not pid_alive(pid) and not health_ok(srv.url, timeout_s=1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_vllm_python() is None, reason="no .venv-vllm: run `make vllm` to test against real vLLM")
+@pytest.mark.parametrize(
+    "family",
+    [{"fc_norm": True, "norm_output": True}, {"parallel_drafting": True, "mask_token_id": 49151}],
+    ids=["eagle3.1", "p-eagle"],
+)  # P-EAGLE's mask token as training sets it: the target's last id
+def test_vllm_serves_each_drafter_family_and_returns_its_token_ids(tmp_path, family):
+    """EAGLE-3.1's norms (``fc_norm.{i}`` weights, ``norm_output``) and P-EAGLE (one forward for K tokens, its
+    ``mask_hidden`` and ``parallel_drafting``) exported by eyas load and serve in vLLM: its counters move by
+    drafts of K positions, and it returns the completion's token ids, from which the agreement check matches
+    the prompts both engines decoded identically."""
+    import dataclasses
+    import re
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from eyas.eval.acceptance import prompt_fingerprint
+    from eyas.serving.engine_process import engine_server
+    from eyas.serving.export import export
+    from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
+    from eyas.serving.models.embedded import ensure_embedded
+    from eyas.serving.models.target import default_aux_layers
+
+    target_dir = ensure_embedded()
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    torch.manual_seed(0)
+    base = DrafterConfig.from_target(tcfg, default_aux_layers(tcfg.num_hidden_layers), 4096)
+    export(Eagle3Drafter(dataclasses.replace(base, **family)), tcfg, tmp_path / "export")
+    k = 3
+    cfg = EngineServerConfig(python=_vllm_python(), max_model_len=512, startup_timeout_s=900)
+    with engine_server(
+        "vllm", str(target_dir), str(tmp_path / "export"), k, cfg, tmp_path / "vllm.log", threads=1
+    ) as srv:
+        client = EngineClient(srv.url, "vllm", timeout_s=300)
+        chat = [{"role": "user", "content": "Count from one to twenty in words."}]
+        tok = AutoTokenizer.from_pretrained(target_dir)
+        text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        c = client.complete(prompt, 24)
+        (r,) = measure(client, {"s": (_Spec(24), [prompt])}, warmup=False)
+    assert c.token_ids is not None and len(c.token_ids) == c.tokens > 8
+    assert r.per_prompt[0].output == prompt_fingerprint(c.token_ids)  # greedy: the same ids twice
+    assert r.drafts > 0 and len(r.acceptance_by_position) == k and 1.0 <= r.tau <= k + 1
+    if family.get("parallel_drafting"):
+        echo = (tmp_path / "vllm.log").read_text()  # vLLM prints its speculative config
+        assert re.search(r"parallel_drafting\W{1,4}True", echo)
 
 
 @pytest.mark.slow

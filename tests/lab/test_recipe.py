@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -68,7 +69,9 @@ def test_every_variant_composes_and_the_issue_40_ones_each_change_one_thing():
     assert {"loss-tv", "loss-lk-hybrid", "loss-jsd", "loss-rkl", "loss-lk", "eagle3.1", "p-eagle"} <= set(
         names
     )
-    assert names[-1] == "best-combination"
+    assert names[-2:] == ["data-diverse", "data-600"]  # the data variants: the same training, other stores
+    corpora = {v.name: v.corpus for v in rc.selected() if v.corpus}
+    assert corpora == {"data-diverse": "demo_diverse", "data-600": "demo_600"}
     assert not any(v.history for v in rc.selected())  # the study before issue 40 runs only by name
     base_d, base_t = variant_configs(rc.selected()[0], job.drafter, job.train, 0)
     assert (base_t.max_steps, base_t.lr, base_t.ttt_steps, base_t.loss, base_d.init) == (
@@ -87,7 +90,8 @@ def test_every_variant_composes_and_the_issue_40_ones_each_change_one_thing():
         changed |= {k for k, x in vars(t).items() if x != getattr(base_t, k) and k not in ("seed", "data")}
         expect = {
             "default": set(),
-            "best-combination": set(),
+            "data-diverse": set(),  # same drafter and training; the store is what differs
+            "data-600": set(),
             "eagle3.1": {"fc_norm", "norm_output"},
             "p-eagle": {"parallel_drafting"},
             "p-eagle-ttt6": {"parallel_drafting", "ttt_steps"},
@@ -219,6 +223,13 @@ def test_the_table_is_recomputed_from_the_json_the_study_keeps():
 
 
 # -- the study, its stages stubbed ----------------------------------------------------------------------------------
+class Calls(dict):
+    """What the stubbed stages ran (compared whole by the tests), with ``seen``: the stores they trained on, the
+    training texts the evaluations checked against and the corpora prepared (what the data-variant test reads)."""
+
+    seen: dict[str, list]
+
+
 def _stub_stages(monkeypatch, tmp_path):
     """The pipeline's stages as the study calls them, without a model: each variant's τ is the baseline's plus a
     token per prompt per position of the variant in the list; prompt lookup drafts 0.9 per step."""
@@ -230,15 +241,17 @@ def _stub_stages(monkeypatch, tmp_path):
     import eyas.serving.models.target as target_module
     from eyas.eval.acceptance import AcceptanceResult
 
-    calls = {"train": [], "eval": [], "lookup": []}
+    calls = Calls(train=[], eval=[], lookup=[])
+    calls.seen = seen = {"stores": [], "texts": [], "prepare": []}
     target = SimpleNamespace(info=SimpleNamespace(to_dict=lambda: {"name": "tiny"}))
     monkeypatch.setattr(target_module, "load_target", lambda cfg: target)
 
     def stage_train(store_dir, dcfg, tcfg, target, work_dir, target_cfg):
-        d = tmp_path / "train" / f"{tcfg.loss}-{dcfg.parallel_drafting}-{tcfg.seed}"
+        d = tmp_path / "train" / f"{Path(store_dir).name}-{tcfg.loss}-{dcfg.parallel_drafting}-{tcfg.seed}"
         d.mkdir(parents=True, exist_ok=True)
         if not (d / "metrics.jsonl").exists():  # trained once; a rerun finds the run finished
             calls["train"].append(tcfg.loss)
+            seen["stores"].append(Path(store_dir).name)
             rec = {"kind": "train", "tokens": 1000, "data_wait_s": 0.5, "compute_s": 1.5}
             (d / "metrics.jsonl").write_text(
                 (json.dumps(rec) + "\n") * 2 + json.dumps({"kind": "eval"}) + "\n"
@@ -254,8 +267,9 @@ def _stub_stages(monkeypatch, tmp_path):
 
     def stage_eval(export_dir, ecfg, target, work_dir, extra, command):
         calls["eval"].append((extra["variant"], ecfg.chain_length))
+        seen["texts"].append(ecfg.training_text)
         assert ecfg.methods == ["eagle3-chain"] and ecfg.prompt_sets[0].half == "report"
-        gain = ["default", "loss-tv"].index(extra["variant"])
+        gain = ["default", "loss-tv", "data-diverse"].index(extra["variant"])
         r = _eval(ecfg.chain_length, [e + gain for e in BASE], STEPS).set_result()
         return AcceptanceResult([r], {}), None, tmp_path / "report.md", None
 
@@ -263,7 +277,17 @@ def _stub_stages(monkeypatch, tmp_path):
         calls["lookup"].append(ecfg.chain_length)
         return _eval(ecfg.chain_length, [9] * 6, STEPS, "prompt-lookup")
 
+    def stage_prepare(pcfg, target, target_cfg):  # a data variant's mixture, prepared into its own directory
+        seen["prepare"].append(pcfg.corpus.name)
+        assert pcfg.out_dir is None  # hashed by its settings: never the base's directory
+        return SimpleNamespace(out_dir=tmp_path / "prepare" / pcfg.corpus.name), None
+
+    def stage_extract(prep, settings, target, work_dir):
+        return tmp_path / "store" / f"of-{prep.out_dir.name}", None
+
     monkeypatch.setattr(pipeline, "stage_train", stage_train)
+    monkeypatch.setattr(pipeline, "stage_prepare", stage_prepare)
+    monkeypatch.setattr(pipeline, "stage_extract", stage_extract)
     monkeypatch.setattr(pipeline, "stage_export", lambda res, target, work_dir: (tmp_path / "export", None))
     monkeypatch.setattr(pipeline, "stage_eval", stage_eval)
     monkeypatch.setattr(recipe, "measure_lookup", measure_lookup)
@@ -310,6 +334,48 @@ def test_a_rerun_recomputes_the_table_without_training_or_evaluating_again(monke
     )
     run_recipe(_job([*args, "recipe.reevaluate=true", "recipe.chain_lengths=[6]"]))
     assert calls["eval"] == [("default", 6), ("loss-tv", 6)] and calls["lookup"] == [6]
+
+
+def test_a_data_variant_trains_on_its_own_store_and_is_checked_against_its_own_text(monkeypatch, tmp_path):
+    """``corpus: demo_diverse``: its mixture is prepared and extracted with the study's settings into a store of
+    its own, the variant trains there with the base's training, its prompts are checked against its own training
+    text, and its Δτ is paired with the default's on the same prompts; a rerun reuses all of it."""
+    import json
+
+    from eyas.lab.recipe import run_recipe
+
+    calls = _stub_stages(monkeypatch, tmp_path)
+    base = tmp_path / "store" / "base"
+    args = [f"work_dir={tmp_path}", f"recipe.store_dir={base}", "recipe.training_text=base.jsonl",
+            "recipe.only=[default,data-diverse]", "recipe.chain_lengths=[6]"]  # fmt: skip
+    run_recipe(_job(args))
+    seen = calls.seen
+    assert seen["prepare"] == ["demo_diverse"]
+    assert seen["stores"] == ["base", "of-demo_diverse"] and calls["train"] == ["fkl", "fkl"]
+    assert seen["texts"] == [
+        "base.jsonl",
+        str(tmp_path / "prepare" / "demo_diverse" / "train" / "conversations.jsonl"),
+    ]
+    (out,) = (tmp_path / "recipe").iterdir()
+    table = json.loads((out / "recipe.json").read_text())["table"]
+    assert [r["variant"] for r in table] == ["default", "data-diverse"]
+    assert table[1]["chains"]["6"]["delta_tau_vs_baseline"]["estimate"] == pytest.approx(0.2)
+    calls.update(train=[], eval=[])
+    run_recipe(_job(args))
+    assert calls["train"] == calls["eval"] == []  # both trainings and evaluations reused
+
+
+def test_an_unknown_data_variant_corpus_stops_the_study_before_any_work(monkeypatch, tmp_path):
+    from eyas.data.corpora import CorpusError
+    from eyas.lab.recipe import run_recipe
+
+    calls = _stub_stages(monkeypatch, tmp_path)
+    job = _job([f"work_dir={tmp_path}", f"recipe.store_dir={tmp_path / 'store'}", "recipe.only=[default]"])
+    job.recipe.variants.append(type(job.recipe.variants[0])(name="data-typo", corpus="no_such_mixture"))
+    job.recipe.only = ["default", "data-typo"]
+    with pytest.raises((CorpusError, FileNotFoundError, ValueError), match="no_such_mixture"):
+        run_recipe(job)
+    assert calls["train"] == [] and calls["lookup"] == []
 
 
 def test_prompt_lookup_runs_on_the_prompts_the_variants_evaluation_runs(tmp_path, monkeypatch):
