@@ -152,6 +152,7 @@ ENGINE_COLUMNS = (
     "tok/s bundled",
     "TTFT ms engine",
     "TTFT ms bundled",
+    "τ engine / bundled, judged prompts",
     "agreement",
 )
 
@@ -167,10 +168,11 @@ def engine_rows(engine: list[EngineSetResult], acc: AcceptanceResult, method: st
     for e in engine:
         b = acc.get(e.prompt_set, method)
         nan = float("nan")
-        verdict = ""
+        verdict = judged = ""
         if b:
             ag = check_agreement(e, b)
             verdict = f"{ag.verdict} (judged on {ag.basis}; same output on {ag.same_outputs}/{ag.prompts})"
+            judged = f"{f(ag.tau_engine, '.2f')} / {f(ag.tau_bundled, '.2f')}"
         rows.append(
             [
                 e.prompt_set,
@@ -183,6 +185,7 @@ def engine_rows(engine: list[EngineSetResult], acc: AcceptanceResult, method: st
                 _with_ci(b.tokens_per_s, b.tokens_per_s_ci, ".1f") if b else "",
                 f(e.mean_ttft_ms, ".0f"),
                 f(b.mean_ttft_ms if b else nan, ".0f"),
+                judged,
                 verdict,
             ]
         )
@@ -228,7 +231,8 @@ ENGINE_NOTE = (
     "wrong runs at τ ≈ 1, which so weak a drafter cannot be told from). Judged on the prompts whose output the "
     f"engine and the bundled loop decoded to the very same tokens when at least {_RULE.min_same_outputs} did (there "
     "both verified the same sequence, so a gap is the drafter's serving, not two kernels' greedy drift), else on "
-    "all the set's prompts."
+    "all the set's prompts; the judged prompts' τ on both sides stands beside the verdict, counted as vLLM counts "
+    "(1 + accepted drafts per verify step)."
 )
 
 GREEDY_MATCH_NOTE = (

@@ -144,6 +144,28 @@ def test_a_prompt_decoded_to_another_text_is_left_out_of_the_judgement(case):
     assert any("τ" in r for r in strict.reasons)
 
 
+def test_the_report_row_shows_the_judged_prompts_tau_beside_the_whole_sets(case):
+    """The report's engine row: the whole set's τ on both sides, and the τ the verdict was judged on (here the 3
+    prompts decoded identically), so a reader sees why a whole-set gap can still agree."""
+    from eyas.eval.acceptance import AcceptanceResult
+    from eyas.eval.report import ENGINE_COLUMNS, engine_rows
+
+    target, _, out, bundled = case
+    served = drifted(serve_like_vllm(out, target.model), 0)
+    (row,) = engine_rows([served], AcceptanceResult([bundled], {}))
+    cells = dict(zip(ENGINE_COLUMNS, row))
+    judged = check_agreement(served, bundled)
+    assert (
+        cells["τ engine / bundled, judged prompts"] == f"{judged.tau_engine:.2f} / {judged.tau_bundled:.2f}"
+    )
+    assert cells["τ engine"].startswith(f"{served.tau:.2f}") and cells["τ bundled"].startswith(
+        f"{bundled.tau:.2f}"
+    )
+    assert (
+        cells["agreement"] == f"agree (judged on same outputs; same output on {len(SEEDS) - 1}/{len(SEEDS)})"
+    )
+
+
 def test_same_output_prompts_that_accept_less_in_the_engine_disagree(case):
     """On the prompts both decoded identically, an engine that accepts less at the second draft position (its
     counts halved there) is caught, even though every prompt kept its output."""
