@@ -243,7 +243,8 @@ class EngineClient:
                 text.append(ch.get("text") or "")
                 finish = ch.get("finish_reason") or finish
                 if ch.get("token_ids") is not None:
-                    ids = (ids or []) + [int(t) for t in ch["token_ids"]]
+                    ids = ids if ids is not None else []
+                    ids.extend(int(t) for t in ch["token_ids"])
             if ev.get("usage"):
                 tokens = int(ev["usage"]["completion_tokens"])
         total = time.perf_counter() - t0
@@ -493,7 +494,7 @@ def same_output_pairs(
 
 def _judged(
     engine: EngineSetResult, bundled: SetMethodResult, pairs: list, rule: AgreementRule
-) -> tuple[str, float, float, list[float], list[float]]:
+) -> tuple[Literal["same outputs", "all prompts"], float, float, list[float], list[float]]:
     """The basis and the τ and acceptance per position of each side over it."""
     if len(pairs) < rule.min_same_outputs:
         return (
@@ -507,15 +508,17 @@ def _judged(
     # step emitted, and the step that ends a generation (at EOS or max_new_tokens) emits no bonus token after it,
     # about one token per prompt less (2.79 against 2.86 on 4 of the demo export's training prompts)
     b_tau = 1.0 + sum(sum(b.accepted_by_position) for _, b in pairs) / steps if steps else math.nan
-    e_pos: list[float] = []
-    if drafts and all(e.accepted_per_pos for e, _ in pairs):
-        n = max(len(e.accepted_per_pos) for e, _ in pairs)
-        e_pos = [sum((e.accepted_per_pos + [0.0] * n)[i] for e, _ in pairs) / drafts for i in range(n)]
-    b_pos: list[float] = []
-    if steps:
-        n = max(len(b.accepted_by_position) for _, b in pairs)
-        b_pos = [sum((b.accepted_by_position + [0] * n)[i] for _, b in pairs) / steps for i in range(n)]
+    e_pos = _rates([e.accepted_per_pos for e, _ in pairs], drafts)
+    b_pos = _rates([b.accepted_by_position for _, b in pairs], steps)
     return "same outputs", e_tau, b_tau, e_pos, b_pos
+
+
+def _rates(counts: list[list[float]], steps: float) -> list[float]:
+    """Acceptance per draft position over several prompts: each position's accepted count summed over the
+    prompts (a shorter list counts 0 there), over their verify steps; none when a prompt has no counts."""
+    if not steps or not all(counts):
+        return []
+    return [sum(c[i] for c in counts if i < len(c)) / steps for i in range(max(map(len, counts)))]
 
 
 def check_agreement(
@@ -527,17 +530,9 @@ def check_agreement(
     pairs = same_output_pairs(engine, bundled)
     basis, e_tau, b_tau, ea, ba = _judged(engine, bundled, pairs, rule)
     out = Agreement(
-        engine.prompt_set,
-        "agree",
-        [],
-        basis,
-        engine.prompts,
-        len(pairs),
-        e_tau,
-        b_tau,
-        ea,
-        ba,  # type: ignore[arg-type]
-    )
+        engine.prompt_set, "agree", basis=basis, prompts=engine.prompts, same_outputs=len(pairs),
+        tau_engine=e_tau, tau_bundled=b_tau, acceptance_engine=ea, acceptance_bundled=ba,
+    )  # fmt: skip
     on = f" (on the {len(pairs)} prompts with the same output)" if basis == "same outputs" else ""
     if not b_tau >= rule.min_bundled_tau:
         out.verdict = "inconclusive"

@@ -178,18 +178,11 @@ and two runs' results would not pair. Generation runs in a child process with th
 already has it."""
 
 
-def reasoning_gym_items(
-    task: str, base: int, size: int, *, source: str, split: str, stats: SourceStats | None = None
-) -> Iterator[Conversation]:
-    """Items ``base .. base + size - 1`` of one reasoning-gym task (item ``i`` from ``Random(base + i)``), as
-    (question, answer) conversations whose id names the item seed."""
-    yield from reasoning_gym_tasks([task], base, size, source=source, split=split, stats=stats)
-
-
 def reasoning_gym_tasks(
     tasks: Iterable[str], base: int, size: int, *, source: str, split: str, stats: SourceStats | None = None
 ) -> Iterator[Conversation]:
-    """:func:`reasoning_gym_items` of every task in order, generated in one go under the fixed hash seed
+    """Items ``base .. base + size - 1`` of every task in order (item ``i`` from ``Random(base + i)``), as
+    (question, answer) conversations whose id names the item seed; generated in one go under the fixed hash seed
     (:data:`REASONING_GYM_HASH_SEED`): the same items in every process."""
     tasks = list(tasks)
     for task, pairs in zip(tasks, _generate_reasoning_gym(tasks, base, size)):

@@ -43,7 +43,7 @@ import torch
 
 from eyas.command import command_line
 from eyas.common import build_config, json_hash
-from eyas.data.corpora import load_corpus_config
+from eyas.data.corpora import CorpusConfig, load_corpus_config
 from eyas.eval.acceptance import MethodSpec, PromptSetSpec, run_acceptance
 from eyas.eval.stage import EvalStageConfig
 from eyas.lab.recipe_table import LOOKUP, ChainEval, VariantResult, format_table, table_json, table_rows
@@ -309,7 +309,7 @@ def run_variant(
 
 
 def variant_store(
-    study: Study, corpus: str, made: dict[str, tuple[Path, dict[int, EvalStageConfig]]]
+    study: Study, corpus: str, mixture: CorpusConfig, made: dict[str, tuple[Path, dict[int, EvalStageConfig]]]
 ) -> tuple[Path, dict[int, EvalStageConfig]]:
     """The store of a data variant's corpus and its evaluations (prompts checked against its training text):
     prepared and extracted once per corpus (the pipeline's stages reuse what an earlier run made)."""
@@ -318,7 +318,7 @@ def variant_store(
     if corpus not in made:
         job = study.job
         print(f"\n== recipe data: corpus {corpus} ==", flush=True)
-        pcfg = dataclasses.replace(job.prepare, corpus=load_corpus_config(corpus), out_dir=None)
+        pcfg = dataclasses.replace(job.prepare, corpus=mixture, out_dir=None)
         prep, _ = stage_prepare(pcfg, study.target, job.target)
         store, _ = stage_extract(prep, job.extract.settings(), study.target, Path(job.work_dir))
         text = eval_settings(job.eval, prep).training_text
@@ -401,9 +401,8 @@ def run_recipe(job: RecipeJob, command: str = "python -m eyas.lab.recipe") -> li
         for v in rc.selected()
         for seed in rc.seeds
     ]
-    for v in rc.selected():
-        if v.corpus is not None:
-            load_corpus_config(v.corpus)  # an unknown or broken mixture stops the study here
+    # each data variant's mixture, read here: an unknown or broken one stops the study before any work
+    corpora = {v.corpus: load_corpus_config(v.corpus) for v in rc.selected() if v.corpus is not None}
     target = load_target(job.target)
     training_text = rc.training_text
     if rc.store_dir:
@@ -426,7 +425,7 @@ def run_recipe(job: RecipeJob, command: str = "python -m eyas.lab.recipe") -> li
     results, stores = [], {}
     for v, seed, dcfg, tcfg in runs:
         t0 = time.perf_counter()
-        data = variant_store(study, v.corpus, stores) if v.corpus is not None else None
+        data = variant_store(study, v.corpus, corpora[v.corpus], stores) if v.corpus is not None else None
         print(f"\n== recipe variant {v.name} (seed {seed}) ==", flush=True)
         results.append(run_variant(study, v, seed, dcfg, tcfg, data))
         print(f"recipe variant {v.name} seed {seed}: {time.perf_counter() - t0:.0f}s", flush=True)
