@@ -21,6 +21,11 @@ Design decisions:
   log-probabilities (deterministic top-k, verified as point masses).
 - Prompt lookup proposes the continuation of the most recent earlier occurrence of the context's last n-gram
   (longest n first), found with one vectorised comparison per n.
+- A DFlash block drafter (:class:`DFlashProposer`, ``serving.models.dflash``) keeps each layer's context keys and
+  values of the committed tokens in static position-indexed buffers (written in :meth:`DFlashProposer.accept`
+  from the verify forward's aux states, the pending token excluded, as vLLM feeds it) and drafts a chain of K
+  tokens with one forward of the block ``[pending, mask x K]``; the block is never cached, so nothing rolls back.
+  It always runs K masks, as vLLM does, and truncates the chain where fewer drafts fit.
 - A drafter built for another target is rejected in ``reset`` (before any model runs) with the mismatch named.
 """
 
@@ -31,6 +36,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from eyas.serving.models.dflash import DFlashDrafter
 from eyas.serving.models.drafter import Eagle3Drafter
 from eyas.serving.models.kv_cache import SlotCache
 from eyas.serving.models.target import TargetInfo
@@ -351,3 +357,93 @@ class Eagle3Proposer:
         root_logprobs = torch.log_softmax(self._logits, dim=-1)
         tree = build_dynamic_tree(ctx.tokens[length], root_logprobs, expand, cfg, self._to_target)
         return DraftProposal(tree)
+
+
+@dataclass
+class DFlashProposerConfig:
+    """How the DFlash block drafter drafts."""
+
+    chain_length: int = 6
+    """Mask slots per block, i.e. draft tokens per step (K; vLLM's ``num_speculative_tokens``)."""
+
+    def __post_init__(self) -> None:
+        if self.chain_length <= 0:
+            raise ValueError(f"chain_length (K) must be >= 1, got {self.chain_length}")
+
+
+class DFlashProposer:
+    """The DFlash block drafter as a proposer (see the module docstring): one drafter forward per step."""
+
+    name = "dflash"
+
+    def __init__(self, drafter: DFlashDrafter, cfg: DFlashProposerConfig | None = None, **kw):
+        self.drafter = drafter.eval()
+        self.cfg = cfg or DFlashProposerConfig(**kw)
+        self._k: list[torch.Tensor] = []  # per layer [1, kv, max_len, d]: context keys by position
+        self._v: list[torch.Tensor] = []
+        self.length = 0  # committed positions whose context keys are written
+        self._to_target = drafter.draft_to_target
+
+    def check_target(self, info: TargetInfo) -> None:
+        """Raise a ValueError naming every way this drafter does not fit ``info``."""
+        c = self.drafter.config
+        problems = []
+        if c.hidden_size != info.hidden_size or c.target_hidden_size != info.hidden_size:
+            problems.append(f"hidden size {c.hidden_size} vs the target's {info.hidden_size}")
+        if c.vocab_size != info.vocab_size:
+            problems.append(f"vocabulary {c.vocab_size} vs the target's {info.vocab_size}")
+        if list(c.aux_layer_ids) != list(info.aux_layers):
+            problems.append(f"aux layers {list(c.aux_layer_ids)} vs the target's {list(info.aux_layers)}")
+        if problems:
+            raise ValueError(
+                f"this DFlash drafter was built for another target than {info.name}: " + "; ".join(problems)
+            )
+
+    def reset(self, prompt_ids: torch.Tensor, *, target: TargetInfo, max_len: int) -> None:
+        self.check_target(target)
+        c, w = self.drafter.config, self.drafter.fc.weight
+        if not self._k or self._k[0].shape[2] < max_len:
+            shape = (1, c.num_key_value_heads, max_len, c.head_dim)
+            self._k = [w.new_zeros(shape) for _ in range(c.num_hidden_layers)]
+            self._v = [w.new_zeros(shape) for _ in range(c.num_hidden_layers)]
+        self.length = 0
+        self._to_target = self.drafter.draft_to_target
+
+    @torch.inference_mode()
+    def accept(self, accepted: AcceptedTokens) -> None:
+        start, m = accepted.start, accepted.tokens.numel()
+        if self.length != start:
+            raise RuntimeError(
+                f"DFlash context holds {self.length} positions but the target committed from {start}"
+            )
+        dev = self.drafter.fc.weight.device
+        pos = torch.arange(start, start + m, device=dev)
+        for buf_k, buf_v, (k, v) in zip(
+            self._k, self._v, self.drafter.context_kv(accepted.aux.to(dev)[None], pos[None])
+        ):
+            buf_k[:, :, start : start + m] = k
+            buf_v[:, :, start : start + m] = v
+        self.length = start + m
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> DraftProposal:
+        if self.length != ctx.length:
+            raise RuntimeError("DFlashProposer.propose before accept() of the committed context")
+        if ctx.mode == "tree":
+            raise ValueError("a DFlash block drafter drafts chains only; use mode=chain")
+        length = ctx.length
+        k = min(self.cfg.chain_length, ctx.max_depth, ctx.max_tokens)
+        root = ctx.tokens[length]
+        if k <= 0:
+            return DraftProposal(chain_tree(root, ctx.tokens[:0]))
+        context = [(kk[:, :, :length], vv[:, :, :length]) for kk, vv in zip(self._k, self._v)]
+        dev = self.drafter.fc.weight.device
+        logits = self.drafter.draft_block(root.to(dev), length, context, self.cfg.chain_length)[:k]  # [k, Vd]
+        if ctx.sampling.greedy:
+            draft = self._to_target[logits.argmax(-1)]
+            return DraftProposal(chain_tree(root, draft))
+        q = warp_probs(logits, ctx.sampling.temperature, ctx.sampling.top_p)  # [k, Vd]
+        d = torch.stack([sample(q[j], ctx.generator).reshape(()) for j in range(k)])
+        probs = torch.zeros(k + 1, self.drafter.config.vocab_size, device=dev)
+        probs[1:, self._to_target] = q
+        return DraftProposal(chain_tree(root, self._to_target[d]), probs)

@@ -12,6 +12,7 @@ Design decisions:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 DATA_SOURCES = ("store", "online", "synthetic")
 BEST_METRICS = ("tau_chain", "tau_served", "tau_indep", "loss")
 SCHEDULES = ("cosine", "wsd")
+DRAFTER_FAMILIES = ("eagle3", "dflash")
 
 
 @dataclass
@@ -74,8 +76,34 @@ class DraftModelConfig:
     attention_window: int | None = None
     """Sliding window of the drafter's attention in tokens (``DrafterConfig.attention_window``: used in training,
     in the bundled loop and written into the export); None: full attention."""
+    family: str = "eagle3"
+    """``eagle3`` (the EAGLE-3 drafter and its options above) or ``dflash``: a block drafter
+    (``serving.models.dflash``) that drafts ``train.ttt_steps`` tokens in one forward from the pending token and
+    that many mask slots, served by vLLM's ``dflash`` method. It takes ``draft_vocab_size``, ``intermediate_size``,
+    ``init``, ``mask_token_id`` and ``num_layers`` from here; the EAGLE-3 options must stay off."""
+    num_layers: int = 1
+    """``family=dflash``: decoder layers. 1 by default: vLLM 0.32's CPU build normalises every layer's context
+    keys with layer 0's ``k_norm`` (``_normalize_context_k``), so deeper drafters are served right on GPU only."""
 
     def __post_init__(self) -> None:
+        if self.family not in DRAFTER_FAMILIES:
+            raise ValueError(f"drafter.family must be one of {DRAFTER_FAMILIES}, not {self.family!r}")
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, not {self.num_layers}")
+        if self.family == "dflash":
+            on = [
+                k
+                for k in ("fc_norm", "norm_output", "norm_before_fc", "parallel_drafting")
+                if getattr(self, k)
+            ]
+            if on or self.attention_window is not None:
+                raise ValueError(
+                    f"drafter.family=dflash has no EAGLE-3 options; turn off {on or ['attention_window']}"
+                )
+        elif self.num_layers != 1:
+            raise ValueError(
+                "drafter.num_layers is the DFlash drafter's depth; an EAGLE-3 drafter has one layer"
+            )
         if self.attention_window is not None and self.attention_window < 1:
             raise ValueError(
                 f"drafter.attention_window must be a positive token count or null, not {self.attention_window}"
@@ -92,9 +120,10 @@ class DraftModelConfig:
             raise ValueError(f"drafter.init must be 'random' or 'target', not {self.init!r}")
         if self.init_layer is not None and self.init_layer < 0:
             raise ValueError(f"drafter.init_layer must be a layer index or null, not {self.init_layer}")
-        if self.mask_token_id is not None and not self.parallel_drafting:
+        if self.mask_token_id is not None and not (self.parallel_drafting or self.family == "dflash"):
             raise ValueError(
-                "drafter.mask_token_id is parallel drafting's mask token; set it null without it"
+                "drafter.mask_token_id is the mask token of parallel drafting or of a DFlash drafter; set it null "
+                "without either"
             )
 
     def identity(self) -> dict[str, Any]:
@@ -104,6 +133,8 @@ class DraftModelConfig:
         for key in ("fc_norm", "norm_output", "norm_before_fc", "parallel_drafting", "mask_token_id"):
             if d[key] is None or d[key] is False:
                 del d[key]
+        if d["family"] == "eagle3":  # EAGLE-3 runs keep the keys they had before DFlash existed
+            del d["family"], d["num_layers"]
         return d
 
 
@@ -259,6 +290,12 @@ class TrainConfig:
     """Training-time-test unroll length (draft steps trained per position)."""
     step_decay: float = 0.8
     """Loss weight of TTT step j is step_decay ** j."""
+    decay_gamma: float | None = None
+    """When set, the loss weight of step j (0-based; DFlash: slot j + 1) is ``exp(-j / decay_gamma)`` instead of
+    ``step_decay ** j`` (DFlash's form: gamma 7 for blocks of 16 in its paper, 4 for blocks of 8 in NVIDIA's)."""
+    block_anchors: int = 128
+    """``drafter.family=dflash``: blocks (anchors) drawn per packed row and training step, among the positions whose
+    next token is supervised; evaluation takes every such position."""
     teacher: str = "auto"
     """Target distribution to distil from: ``hidden`` (stored final hidden state through the frozen target head,
     draft rows only), ``topk`` (stored top-k log-probs mapped into the draft vocabulary), ``auto`` (what the batch
@@ -373,6 +410,10 @@ class TrainConfig:
             raise ValueError(
                 f"train.eval_batches must be >= 0 or null (0, null: all), not {self.eval_batches}"
             )
+        if self.decay_gamma is not None and not self.decay_gamma > 0:
+            raise ValueError(f"train.decay_gamma must be > 0 or null, not {self.decay_gamma}")
+        if self.block_anchors < 1:
+            raise ValueError(f"train.block_anchors must be >= 1, not {self.block_anchors}")
         if not 0.0 < self.step_decay <= 1.0:
             raise ValueError(f"train.step_decay must be in (0, 1], not {self.step_decay}")
         if self.teacher not in TEACHERS:
@@ -409,6 +450,8 @@ class TrainConfig:
 
     @property
     def step_weights(self) -> list[float]:
+        if self.decay_gamma is not None:
+            return [math.exp(-j / self.decay_gamma) for j in range(self.ttt_steps)]
         return [self.step_decay**j for j in range(self.ttt_steps)]
 
     def warmup_for(self, total_steps: int) -> int:
@@ -452,6 +495,10 @@ class TrainConfig:
             del d["muon_lr"]  # likewise; AdamW (auto under DeepSpeed) has no Muon part to apply it to
         if d["optimizer"] == "adamw":
             del d["optimizer"]  # runs from before the option (all AdamW) keep their identity
+        if d["decay_gamma"] is None:
+            del d["decay_gamma"]  # likewise
+        if d["block_anchors"] == 128:
+            del d["block_anchors"]  # likewise (only a DFlash drafter reads it)
         if d["schedule"] == "cosine":
             del d["schedule"], d["decay_ratio"]  # likewise
         if resolve_mixed_precision(self.precision) == "bf16" and not self.bf16_lm_head:

@@ -150,15 +150,19 @@ def build_teacher(
     draft_rows_head: TargetHead | None = None,
     keep_oov: bool = True,
     temperature: float = 1.0,
+    only: torch.Tensor | None = None,
 ) -> Teacher:
     """The teacher table of ``batch`` (see the module docstring).
 
     head: the full target head (``hidden`` form with ``oov_rule=teacher``); draft_rows_head: the head restricted
     to the draft rows (:func:`draft_head`; ``hidden`` form with ``oov_rule=label``). keep_oov: keep the rows whose
     teacher token is outside the draft vocabulary (the acceptance metrics count them; training does not need them).
+    only: [B, T] bool, build rows at these supervised positions only (a DFlash step's block targets).
     """
     form = teacher_form(batch, form)
     pos = supervised_positions(batch)
+    if only is not None:
+        pos = pos & only
     row_b, row_p = pos.nonzero(as_tuple=True)  # [N] each, row-major
     # the data token that follows each supervised position (for the label rule and the chain metric)
     label = batch.input_ids[row_b, row_p + 1]  # [N]
@@ -553,29 +557,38 @@ def _loss_with_chain(
         counted_rows.append(rows)
         correct_rows.append(hit_rows)
         faithful_rows.append(follows)
-    counted_rows, correct_rows, faithful_rows = (
-        x[:chain_steps] for x in (counted_rows, correct_rows, faithful_rows)
-    )
-    alive = torch.ones(b, t, dtype=torch.bool, device=dev)
-    reach, hits, counted, correct_all = [], [], [], []
-    for j in range(chain_steps):
-        r = alive & counted_rows[j]
-        reach.append(r.sum())
-        hits.append((r & correct_rows[j]).sum())
-        counted.append(counted_rows[j].sum())
-        correct_all.append(correct_rows[j].sum())
-        alive = r & correct_rows[j] & faithful_rows[j]
-    served_reach, served_hits = served_chains(counted_rows, correct_rows, faithful_rows)
     return LossOutput(
         loss=total / normalizer,
         ce_sum=torch.stack(ce_sum).float(),
         count=torch.stack(count).float(),
         correct=torch.stack(correct).float(),
-        chain=ChainCounts(
-            *(torch.stack(x).float() for x in (counted, correct_all, reach, hits)),
-            served_reach=served_reach.to(dev),
-            served_hits=served_hits.to(dev),
+        chain=chain_counts(
+            counted_rows[:chain_steps], correct_rows[:chain_steps], faithful_rows[:chain_steps]
         ),
+    )
+
+
+def chain_counts(
+    counted_rows: list[torch.Tensor], correct_rows: list[torch.Tensor], faithful_rows: list[torch.Tensor]
+) -> ChainCounts:
+    """:class:`ChainCounts` of chains of ``len(counted_rows)`` drafts from per-row, per-depth booleans ([B, T]
+    each: row scored at depth j; scored and a hit; the data's token at depth j is the target's argmax), rows
+    ordered so that a chain accepting ``a`` drafts at row t is followed by one at row ``t + a + 1``."""
+    alive = torch.ones_like(counted_rows[0])
+    reach, hits, counted, correct_all = [], [], [], []
+    for c, h, f in zip(counted_rows, correct_rows, faithful_rows):
+        r = alive & c
+        reach.append(r.sum())
+        hits.append((r & h).sum())
+        counted.append(c.sum())
+        correct_all.append(h.sum())
+        alive = r & h & f
+    served_reach, served_hits = served_chains(counted_rows, correct_rows, faithful_rows)
+    dev = counted_rows[0].device
+    return ChainCounts(
+        *(torch.stack(x).float() for x in (counted, correct_all, reach, hits)),
+        served_reach=served_reach.to(dev),
+        served_hits=served_hits.to(dev),
     )
 
 

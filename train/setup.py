@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from eyas.common import InputError, build_config, ensure_out_dir
+from eyas.serving.models.dflash import DFlashConfig, DFlashDrafter
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
 from eyas.serving.target_record import TargetRecord, write_target_record
 from eyas.train.config import DraftModelConfig, TrainConfig, TrainJob
@@ -32,13 +33,18 @@ from eyas.train.vocab import DraftVocab, build_draft_vocab, count_loss_tokens
 log = logging.getLogger(__name__)
 
 
-def build_drafter(target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 0) -> Eagle3Drafter:
-    """A freshly initialised drafter for ``target`` with the draft vocabulary ``vocab`` (fp32, on the CPU)."""
+def build_drafter(
+    target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 0, block_size: int = 8
+) -> Eagle3Drafter | DFlashDrafter:
+    """A freshly initialised drafter for ``target`` with the draft vocabulary ``vocab`` (fp32, on the CPU);
+    ``block_size``: a DFlash drafter's trained block (``train.ttt_steps + 1``)."""
     if vocab.target_vocab_size != target.vocab_size:
         raise ValueError(
             f"draft vocabulary built for a target vocabulary of {vocab.target_vocab_size}, the target has "
             f"{target.vocab_size}"
         )
+    if cfg.family == "dflash":
+        return build_dflash_drafter(target, cfg, vocab, seed, block_size)
     overrides: dict[str, Any] = {}
     if cfg.intermediate_size is not None:
         overrides["intermediate_size"] = cfg.intermediate_size
@@ -62,6 +68,75 @@ def build_drafter(target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int = 
         with torch.no_grad():
             drafter.lm_head.weight.copy_(target.head.weight.detach().float().cpu()[vocab.draft_to_target])
     return drafter
+
+
+def build_dflash_drafter(
+    target, cfg: DraftModelConfig, vocab: DraftVocab, seed: int, block_size: int
+) -> DFlashDrafter:
+    """A DFlash drafter (``serving.models.dflash``): random init (``drafter.init=random``) or the target's upper
+    layers (:func:`init_dflash_from_target`); the embedding and the head's draft rows are the target's, frozen."""
+    overrides: dict[str, Any] = {"num_hidden_layers": cfg.num_layers, "block_size": int(block_size)}
+    if cfg.intermediate_size is not None:
+        overrides["intermediate_size"] = cfg.intermediate_size
+    if cfg.mask_token_id is not None:
+        overrides["mask_token_id"] = cfg.mask_token_id
+    dcfg = DFlashConfig.from_target(target.model.config, list(target.aux_layers), vocab.size, **overrides)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(dcfg)
+    drafter.set_embedding(target.model.get_input_embeddings().weight.detach().float().cpu())
+    drafter.set_vocab_map(vocab.draft_to_target)
+    drafter.set_head(target.head.weight)
+    if cfg.init == "target":
+        skipped = init_dflash_from_target(drafter, target)
+        if skipped:
+            log.warning("DFlash init from the target: left at random init: %s", ", ".join(skipped))
+    return drafter
+
+
+def init_dflash_from_target(drafter: DFlashDrafter, target) -> list[str]:
+    """Start each drafter layer i from target layer ``top + 1 + i`` (``top``: the top aux layer), ``fc`` as the
+    identity on the top aux block, ``hidden_norm`` as the first such layer's input norm and ``norm`` as the target's
+    final norm, so the context keys start as that layer's keys of the top aux state. q_norm / k_norm (which a
+    Llama target lacks) start at ones, ``mask_embedding`` at zeros. Returns the names left at random init."""
+    n, top = len(target.layers), int(target.aux_layers[-1])
+    width = drafter.config.hidden_size
+    skipped: list[str] = []
+
+    def put(dst: torch.Tensor, module, path: str) -> None:
+        src = module
+        for p in path.split("."):
+            src = getattr(src, p, None)
+            if src is None:
+                break
+        w = getattr(src, "weight", None) if src is not None else None
+        if w is None or tuple(w.shape) != tuple(dst.shape):
+            skipped.append(path)
+            return
+        dst.copy_(w.detach().float().cpu())
+
+    with torch.no_grad():
+        fc = torch.zeros_like(drafter.fc.weight)
+        fc[:, -width:] = torch.eye(width)
+        drafter.fc.weight.copy_(fc)
+        put(drafter.norm.weight, target.base, "norm")
+        for i, layer in enumerate(drafter.layers):
+            idx = min(top + 1 + i, n - 1)
+            src = target.layers[idx]
+            if i == 0:
+                put(drafter.hidden_norm.weight, src, "input_layernorm")
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                put(getattr(layer.self_attn, name).weight, src, f"self_attn.{name}")
+            for name in ("q_norm", "k_norm"):
+                if getattr(src.self_attn, name, None) is not None:
+                    put(getattr(layer.self_attn, name).weight, src, f"self_attn.{name}")
+            put(layer.input_layernorm.weight, src, "input_layernorm")
+            put(layer.post_attention_layernorm.weight, src, "post_attention_layernorm")
+            mlp = {
+                m: getattr(getattr(src.mlp, m, None), "weight", None)
+                for m in ("gate_proj", "up_proj", "down_proj")
+            }
+            _put_mlp(layer.mlp, mlp, skipped)
+    return skipped
 
 
 def init_from_target(
@@ -369,7 +444,7 @@ def _run_locked(job: TrainJob, acc, target):
     acc.wait_for_everyone()
     if not acc.is_main_process:
         vocab = DraftVocab.load(vocab_path, target_vocab_size=target.vocab_size)
-    drafter = build_drafter(target, drafter_cfg, vocab, seed=cfg.seed)
+    drafter = build_drafter(target, drafter_cfg, vocab, seed=cfg.seed, block_size=cfg.ttt_steps + 1)
     head, info = target.head, target.info
     if cfg.data.source != "online":
         del target  # only the head is needed from here on (the embedding was copied into the drafter)

@@ -46,8 +46,10 @@ from tqdm.auto import tqdm
 
 from eyas.common import ensure_out_dir, json_hash
 from eyas.data.types import Batch
+from eyas.serving.models.dflash import DFlashDrafter
 from eyas.serving.models.drafter import Eagle3Drafter
 from eyas.serving.models.target import TargetHead
+from eyas.train.block_loss import BlockDistillationModel, plan_blocks
 from eyas.train.checkpoint import (
     TrainerState,
     checkpoints_root,
@@ -343,10 +345,12 @@ def evaluate(
     teacher_kw: dict[str, Any],
     step_weights: list[float],
     chain_length: int | None = None,
+    blocks: bool = False,
 ) -> EvalResult | None:
     """Simulated acceptance of chains of ``chain_length`` drafts (default: ``len(step_weights)``) and the loss on
     held-out batches (every process its own list, same length). The drafter is unrolled
-    ``max(chain_length, len(step_weights))`` steps; the loss weighs the training steps only."""
+    ``max(chain_length, len(step_weights))`` steps; the loss weighs the training steps only. ``blocks``: a DFlash
+    drafter's model, given every anchor of each batch (``train.block_loss``)."""
     k = chain_length or len(step_weights)
     n = max(k, len(step_weights))
     dev = accelerator.device
@@ -356,8 +360,17 @@ def evaluate(
     for b in batches:
         b = b.to(dev)
         teacher = build_teacher(b, **teacher_kw)
+        extra = {"anchors": plan_blocks(b, n).anchors} if blocks else {}
         out = model(
-            b.input_ids, b.aux, b.position_ids, b.segment_ids, teacher, 1.0, with_chain=True, chain_steps=k
+            b.input_ids,
+            b.aux,
+            b.position_ids,
+            b.segment_ids,
+            teacher,
+            1.0,
+            with_chain=True,
+            chain_steps=k,
+            **extra,
         )
         for total, part in zip(chain.tensors(), out.chain.tensors()):
             total.add_(part)
@@ -380,7 +393,9 @@ def evaluate(
     )
 
 
-def teacher_kwargs(cfg: TrainConfig, drafter: Eagle3Drafter, head: TargetHead | None, dev) -> dict[str, Any]:
+def teacher_kwargs(
+    cfg: TrainConfig, drafter: Eagle3Drafter | DFlashDrafter, head: TargetHead | None, dev
+) -> dict[str, Any]:
     """How :func:`train.losses.build_teacher` builds this run's teachers: frozen head copies on this device (the
     full head only where the OOV rule or the acceptance metrics need it)."""
     maps = VocabMaps.from_draft_ids(drafter.draft_to_target.cpu(), drafter.config.vocab_size).to(dev)
@@ -441,7 +456,7 @@ class Trainer:
     def __init__(
         self,
         cfg: TrainConfig,
-        drafter: Eagle3Drafter,
+        drafter: Eagle3Drafter | DFlashDrafter,
         data: BatchSource,
         eval_data: Iterable[Batch] | None = None,
         *,
@@ -453,6 +468,9 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg, self.drafter, self.data = cfg, drafter, data
+        self.blocks = isinstance(
+            drafter, DFlashDrafter
+        )  # a block drafter: blocks at anchors, not a TTT unroll
         self.acc = accelerator or make_accelerator(cfg)
         self.device = self.acc.device
         self.info = target_info.to_dict() if hasattr(target_info, "to_dict") else target_info
@@ -517,7 +535,17 @@ class Trainer:
 
     def _prepare(self):
         """The distillation model, optimizer and LR schedule, wrapped by accelerate (DDP or DeepSpeed)."""
-        cfg, acc = self.cfg, self.acc
+        cfg = self.cfg
+        if self.blocks:  # the DFlash head is the target's, frozen
+            return self._wrap(
+                BlockDistillationModel(
+                    self.drafter,
+                    cfg.step_weights,
+                    bf16_head=cfg.bf16_lm_head,
+                    loss=cfg.loss,
+                    loss_weight=cfg.loss_weight,
+                )
+            )
         self.drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
         model = DistillationModel(
             self.drafter,
@@ -528,6 +556,11 @@ class Trainer:
             loss=cfg.loss,
             loss_weight=cfg.loss_weight,
         )
+        return self._wrap(model)
+
+    def _wrap(self, model):
+        """``model``'s optimizer and LR schedule, all three wrapped by accelerate (DDP or DeepSpeed)."""
+        cfg, acc = self.cfg, self.acc
         optimizer = build_optimizer(
             model,
             self.optimizer_name,
@@ -657,7 +690,11 @@ class Trainer:
     def train_step(self, micro: list[Batch]) -> StepOutput:
         """One optimizer step over ``grad_accum`` micro-batches (on the device) on every process."""
         acc, cfg = self.acc, self.cfg
-        teachers = [build_teacher(b, **self.teacher_kw, keep_oov=False) for b in micro]
+        plans = [plan_blocks(b, cfg.ttt_steps, cfg.block_anchors) if self.blocks else None for b in micro]
+        teachers = [
+            build_teacher(b, **self.teacher_kw, keep_oov=False, only=None if p is None else p.targets)
+            for b, p in zip(micro, plans)
+        ]
         n_local = sum(int(supervised_positions(b).sum()) for b in micro)  # OOV rows count: they are tokens
         # one all-reduce: supervised positions (the normalizer) and tokens (TrainerState.tokens_seen)
         counts = _sum(
@@ -665,9 +702,12 @@ class Trainer:
         )
         normalizer = counts[:1].clamp(min=1.0) / (acc.num_processes * cfg.grad_accum)
         losses, grad_norm = [], None
-        for b, teacher in zip(micro, teachers):
+        for b, teacher, plan in zip(micro, teachers, plans):
+            extra = {} if plan is None else {"anchors": plan.anchors}
             with acc.accumulate(self.model):
-                out = self.model(b.input_ids, b.aux, b.position_ids, b.segment_ids, teacher, normalizer)
+                out = self.model(
+                    b.input_ids, b.aux, b.position_ids, b.segment_ids, teacher, normalizer, **extra
+                )
                 _check_finite(acc, out.loss, self.step + 1, b)
                 acc.backward(out.loss)
                 if acc.sync_gradients:
@@ -739,7 +779,13 @@ class Trainer:
             return None
         cfg = self.cfg
         res = evaluate(
-            self.acc, self.model, self.eval_batches, self.teacher_kw, cfg.step_weights, cfg.eval_chain_length
+            self.acc,
+            self.model,
+            self.eval_batches,
+            self.teacher_kw,
+            cfg.step_weights,
+            cfg.eval_chain_length,
+            blocks=self.blocks,
         )
         if res is None:
             return None
@@ -820,7 +866,7 @@ class Trainer:
 
 def fit(
     cfg: TrainConfig,
-    drafter: Eagle3Drafter,
+    drafter: Eagle3Drafter | DFlashDrafter,
     data: BatchSource,
     eval_data: Iterable[Batch] | None = None,
     *,

@@ -623,8 +623,8 @@ def is_drafter_checkpoint(directory) -> bool:
 
 
 def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A drafter from a trainer checkpoint directory (fp32, CPU); ``embedding``: the target's input embedding
-    table (the checkpoint does not hold it). A damaged or foreign file raises ``ValueError`` naming it."""
+    """A drafter from a trainer checkpoint directory (fp32, CPU): an EAGLE-3 one, or a DFlash one where its config
+    says ``family: dflash``; ``embedding``: the target's input embedding table (the checkpoint does not hold it). A damaged or foreign file raises ``ValueError`` naming it."""
     import json
     from pathlib import Path
 
@@ -637,7 +637,13 @@ def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Ea
         )
     fix = "use another checkpoint of the run (an earlier step_*, or best/), or train again"
     try:
-        config = DrafterConfig(**json.loads((directory / CONFIG_FILE).read_text()))
+        raw = json.loads((directory / CONFIG_FILE).read_text())
+        if raw.get("family") == "dflash":  # serving.models.dflash's FAMILY
+            from eyas.serving.models.dflash import DFlashConfig, DFlashDrafter
+
+            config, make = DFlashConfig(**raw), DFlashDrafter
+        else:
+            config, make = DrafterConfig(**raw), Eagle3Drafter
     except json.JSONDecodeError as e:
         raise ValueError(f"{directory / CONFIG_FILE}: damaged (not valid JSON: {e}); {fix}") from None
     except (TypeError, ValueError) as e:
@@ -649,7 +655,7 @@ def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Ea
             f"{directory / WEIGHTS_FILE}: cannot be read ({type(e).__name__}: {e}): the file is damaged (truncated "
             f"or half copied); {fix}"
         ) from None
-    drafter = Eagle3Drafter(config)
+    drafter = make(config)
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.startswith("embed_tokens.")]
     if missing or unexpected:

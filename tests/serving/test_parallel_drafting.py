@@ -196,6 +196,6 @@ def test_training_builds_a_parallel_drafter_and_trains_its_mask_vector(tmp_path)
     assert drafter.config.mask_token_id == target.vocab_size - 1 and not drafter.mask_hidden.any()
     res = fit_on_train(tiny_cfg(tmp_path, max_steps=2, save_every=0, ttt_steps=3), target, drafter, data)
     assert load_weights(res.last_checkpoint)["mask_hidden"].abs().sum() > 0
-    with pytest.raises(ValueError, match="mask_token_id is parallel drafting's"):
+    with pytest.raises(ValueError, match="mask_token_id is the mask token of parallel drafting"):
         DraftModelConfig(mask_token_id=3)
     assert "parallel_drafting" not in DraftModelConfig().identity()

@@ -1,0 +1,141 @@
+"""The DFlash block drafter: a block reads the context before its anchor and its own block only, the bundled
+loop's one forward per step equals the training forward, speculative greedy == plain greedy, the training
+anchors and each slot's teacher position, export → load → identical logits, and the names vLLM 0.32 reads."""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.serving.loop import generate
+from eyas.serving.models.dflash import DFlashConfig, DFlashDrafter
+from eyas.serving.proposers import DFlashProposer, DraftContext
+from eyas.serving.verify import SamplingConfig
+
+from .test_speculative_loop import N_NEW, one_thread, tiny_case  # noqa: F401 (one_thread: autouse fixture)
+
+MASK = 5
+
+
+def dflash_drafter(target, seed: int = 3, draft_vocab: int = 200, layers: int = 2) -> DFlashDrafter:
+    """A random DFlash drafter for ``target`` (random norms and mask embedding too: every input matters)."""
+    v = target.vocab_size
+    cfg = DFlashConfig.from_target(
+        target.model.config,
+        list(target.aux_layers),
+        draft_vocab,
+        mask_token_id=MASK,
+        num_hidden_layers=layers,
+    )
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight") or name == "mask_embedding":
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    d.set_embedding(target.model.get_input_embeddings().weight.detach().float())
+    to_target = torch.randperm(v, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values
+    d.set_vocab_map(to_target)
+    d.set_head(target.head.weight)
+    return d.to(target.dtype).eval()
+
+
+def _blocks(d, ids, aux, anchors, slots=3, **kw):
+    with torch.no_grad():
+        out = d.forward_blocks(ids, aux, torch.tensor([anchors]), slots, **kw)
+    return d.logits(out.hidden[0])  # [A, S, Vd]
+
+
+def test_a_block_reads_the_context_before_its_anchor_and_its_own_block_only():
+    target, _, _ = tiny_case("llama")
+    d = dflash_drafter(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(6, 256, (1, 16), generator=g)
+    aux = torch.randn(1, 16, d.config.fc_in_features, generator=g)
+    a = 7
+    base = _blocks(d, ids, aux, [a])[0]
+    later_aux, before_aux, later_ids, anchor_id = aux.clone(), aux.clone(), ids.clone(), ids.clone()
+    later_aux[0, a:] += 1.0  # the target's states at and after the anchor: not yet computed when serving
+    before_aux[0, a - 1] += 1.0
+    later_ids[0, a + 1 :] = (later_ids[0, a + 1 :] + 1) % 256
+    anchor_id[0, a] = (anchor_id[0, a] + 1) % 256
+    torch.testing.assert_close(_blocks(d, ids, later_aux, [a])[0], base, rtol=0, atol=0)
+    torch.testing.assert_close(_blocks(d, later_ids, aux, [a])[0], base, rtol=0, atol=0)
+    assert not torch.allclose(_blocks(d, ids, before_aux, [a])[0], base)
+    assert not torch.allclose(_blocks(d, anchor_id, aux, [a])[0], base)
+    # another block in the same forward changes nothing (blocks never see each other), nor does chunking
+    both = _blocks(d, ids, aux, [3, a, 12])
+    torch.testing.assert_close(both[1], base, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_blocks(d, ids, aux, [3, a, 12], anchor_chunk=1), both, rtol=1e-5, atol=1e-5)
+    # packed rows: the context stops at the anchor's own sample
+    seg = torch.tensor([[1] * 5 + [2] * 11])
+    pos = torch.cat([torch.arange(5), torch.arange(11)])[None]
+    early = aux.clone()
+    early[0, :5] += 1.0
+    torch.testing.assert_close(
+        _blocks(d, ids, early, [a], position_ids=pos, segment_ids=seg),
+        _blocks(d, ids, aux, [a], position_ids=pos, segment_ids=seg),
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_the_loop_drafts_k_tokens_in_one_forward_equal_to_the_training_blocks(monkeypatch):
+    """After some generated steps (context written step by step from verify forwards, rejected positions
+    overwritten), the proposer's block equals the training forward anchored at the committed length."""
+    target, prompt, _ = tiny_case("llama")
+    d = dflash_drafter(target).float()
+    proposer = DFlashProposer(d, chain_length=4)
+    res = generate(target, proposer, prompt, 12, mode="chain")
+    committed = torch.cat([prompt, torch.tensor(res.tokens[:-1])])
+    length, pending = committed.numel(), res.tokens[-1]
+    aux = target.forward(committed[None], logits="none").aux.float()
+    calls = []
+    real = d.blocks
+    monkeypatch.setattr(d, "blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ctx = DraftContext(
+        tokens=torch.cat([committed, torch.tensor([pending])]),
+        length=length,
+        sampling=SamplingConfig(),
+        generator=torch.Generator().manual_seed(0),
+        mode="chain",
+        max_depth=4,
+        max_tokens=4,
+    )
+    chain = proposer.propose(ctx)
+    assert calls == [1] and chain.tree.tokens.numel() == 5
+    seq = torch.cat([committed, torch.tensor([pending])])[None]
+    full_aux = torch.cat([aux, aux.new_zeros(1, 1, aux.shape[-1])], dim=1)
+    want = _blocks(d, seq, full_aux, [length], slots=4)[0, 1:]  # [4, Vd]
+    torch.testing.assert_close(d.draft_to_target[want.argmax(-1)], chain.tree.tokens[1:])
+    cached = [(k[:, :, :length], v[:, :, :length]) for k, v in zip(proposer._k, proposer._v)]
+    with torch.no_grad():
+        got = d.draft_block(torch.tensor(pending), length, cached, 4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_dflash_speculative_greedy_equals_plain_greedy():
+    target, prompt, ref = tiny_case("llama")
+    res = generate(target, DFlashProposer(dflash_drafter(target), chain_length=4), prompt, N_NEW)
+    assert res.tokens == ref
+
+
+def test_a_drafter_that_copies_the_target_is_accepted_and_stays_lossless():
+    """A drafter whose slot 1 is forced to the target's own next token is accepted at depth 1 (the chain
+    really is scored) and the output stays the plain greedy one."""
+    target, prompt, ref = tiny_case("llama")
+    proposer = DFlashProposer(dflash_drafter(target), chain_length=3)
+    real = proposer.drafter.draft_block
+
+    def first_slot_right(token, position, ctx, k):
+        logits = real(token, position, ctx, k)
+        seq = torch.tensor(list(prompt) + ref)
+        nxt = int(seq[position + 1]) if position + 1 < seq.numel() else 0
+        hit = (proposer.drafter.draft_to_target == nxt).nonzero()
+        if hit.numel():
+            logits[0, int(hit[0])] = 1e4
+        return logits
+
+    proposer.drafter.draft_block = first_slot_right
+    res = generate(target, proposer, prompt, N_NEW)
+    assert res.tokens == ref
+    assert sum(s.num_accepted for s in res.steps) > 0
