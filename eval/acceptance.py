@@ -40,9 +40,12 @@ from tqdm.auto import tqdm
 
 from eyas.eval.intervals import Interval, paired_ratio, paired_ratio_difference, ratio_interval
 from eyas.serving.loop import GenerationResult, PrefillMemo, generate
+from eyas.serving.models.dflash import DFlashDrafter
 from eyas.serving.models.drafter import Eagle3Drafter
 from eyas.serving.models.target import Target
 from eyas.serving.proposers import (
+    DFlashProposer,
+    DFlashProposerConfig,
     Eagle3Proposer,
     Eagle3ProposerConfig,
     NoProposer,
@@ -55,7 +58,7 @@ from eyas.serving.verify import SamplingConfig
 
 log = logging.getLogger(__name__)
 
-MethodKind = Literal["eagle3", "prompt-lookup", "none"]
+MethodKind = Literal["eagle3", "dflash", "prompt-lookup", "none"]
 IN_DISTRIBUTION_SUFFIX = "_in_dist"
 """Name suffix of a prompt set drawn from the training distribution (``PromptSetSpec.in_distribution``)."""
 BASELINE = "none"
@@ -151,13 +154,39 @@ def default_methods(
     return methods
 
 
-def make_proposer(spec: MethodSpec, drafter: Eagle3Drafter | None) -> Proposer:
+DRAFTER_CHAINS = ("eagle3-chain", "dflash-chain")
+"""The trained drafter's chain method, by family: the one the engine agreement and K's choice read."""
+
+
+def for_drafter(methods: list[MethodSpec], drafter: Eagle3Drafter | DFlashDrafter | None) -> list[MethodSpec]:
+    """The methods as ``drafter``'s family runs them: for a DFlash block drafter the EAGLE-3 chain methods become
+    ``dflash-chain`` (``eagle3-chain-k4`` -> ``dflash-chain-k4``) and its trees are dropped (it drafts chains)."""
+    if not isinstance(drafter, DFlashDrafter):
+        return methods
+    out = []
+    for m in methods:
+        if m.kind != "eagle3":
+            out.append(m)
+        elif m.mode == "chain":
+            name = m.name.replace("eagle3-chain", "dflash-chain", 1)
+            out.append(MethodSpec(name, "dflash", "chain", m.chain_length))
+    return out
+
+
+def make_proposer(spec: MethodSpec, drafter: Eagle3Drafter | DFlashDrafter | None) -> Proposer:
     if spec.kind == "none":
         return NoProposer()
     if spec.kind == "prompt-lookup":
         return PromptLookupProposer(PromptLookupConfig(num_tokens=spec.chain_length))
     if drafter is None:
-        raise ValueError(f"method {spec.name} needs an EAGLE-3 drafter")
+        raise ValueError(f"method {spec.name} needs a trained drafter")
+    if (spec.kind == "dflash") != isinstance(drafter, DFlashDrafter):
+        raise ValueError(
+            f"method {spec.name} ({spec.kind}) cannot run a {type(drafter).__name__}: a DFlash drafter's chain is "
+            "dflash-chain (eval.acceptance.for_drafter), an EAGLE-3 drafter's eagle3-chain / eagle3-tree"
+        )
+    if spec.kind == "dflash":
+        return DFlashProposer(drafter, DFlashProposerConfig(spec.chain_length))
     cfg = Eagle3ProposerConfig(spec.chain_length, spec.tree, spec.attention_window)
     return Eagle3Proposer(drafter, cfg)
 
@@ -285,9 +314,10 @@ class AcceptanceResult:
         a chain at another K against the chain at the evaluated K."""
         out = []
         for r in self.results:
-            if not r.method.startswith("eagle3") or not r.per_prompt:
+            if not r.method.startswith(("eagle3", "dflash")) or not r.per_prompt:
                 continue
-            against = ["prompt-lookup"] + (["eagle3-chain"] if r.method.startswith("eagle3-chain-k") else [])
+            chain = next((c for c in DRAFTER_CHAINS if r.method.startswith(f"{c}-k")), None)
+            against = ["prompt-lookup"] + ([chain] if chain else [])
             for b in (self.get(r.prompt_set, m) for m in against):
                 if b is not None and b.per_prompt:
                     out.append(compare(r, b))
@@ -406,6 +436,7 @@ def run_acceptance(
     sampling = sampling or SamplingConfig()
     if not prompt_sets or not any(p for _, p in prompt_sets.values()):
         raise ValueError("no evaluation prompts: give at least one non-empty prompt set")
+    methods = for_drafter(methods, drafter)
     if not methods:
         raise ValueError("no drafting methods to evaluate")
     plan = plan_run(methods, target, baseline, sampling.greedy)

@@ -166,7 +166,7 @@ def engine_rows(engine: list[EngineSetResult], acc: AcceptanceResult, method: st
 
     rows = []
     for e in engine:
-        b = acc.get(e.prompt_set, method)
+        b = acc.get(e.prompt_set, method) or acc.get(e.prompt_set, "dflash-chain")
         nan = float("nan")
         verdict = judged = ""
         if b:
@@ -196,7 +196,7 @@ def engine_agreements(engine: list[EngineSetResult], acc: AcceptanceResult) -> l
     """The agreement verdict and its reasons per set (for ``results.json``)."""
     out = []
     for e in engine:
-        b = acc.get(e.prompt_set, "eagle3-chain")
+        b = acc.get(e.prompt_set, "eagle3-chain") or acc.get(e.prompt_set, "dflash-chain")
         if b is not None:
             out.append(check_agreement(e, b).to_dict())
     return out

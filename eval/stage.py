@@ -45,6 +45,7 @@ from eyas.serving.engine_process import (
     engine_python,
 )
 from eyas.serving.exactness import probe
+from eyas.serving.models.dflash import DFlashDrafter
 from eyas.serving.models.exact_attention import EXACT, MAX_ROWS
 from eyas.serving.models.target import Target, TargetConfig, cpu_has_bf16, tokenizer_hash
 from eyas.serving.target_record import check_target, check_tokenizer, choose_target
@@ -348,7 +349,8 @@ def measure_bundled(
     if numerics is None:
         return res
     drafter = load_drafter(str(export_dir), numerics.verify).drafter  # an export or a trainer checkpoint
-    res.profile = _profile(ecfg, numerics, drafter)
+    # the step profile times EAGLE-3 drafter forwards: a DFlash drafter gets no profile, hence no K choice
+    res.profile = None if isinstance(drafter, DFlashDrafter) else _profile(ecfg, numerics, drafter)
     res.chain_length = calibrate(ecfg, numerics.verify, drafter, split.calibration, res.profile)
     methods = methods_to_report(ecfg, res.chain_length)
     res.acceptance = run_acceptance(

@@ -4,6 +4,7 @@ anchors and each slot's teacher position, export → load → identical logits, 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eyas.serving.loop import generate
@@ -139,3 +140,19 @@ def test_a_drafter_that_copies_the_target_is_accepted_and_stays_lossless():
     res = generate(target, proposer, prompt, N_NEW)
     assert res.tokens == ref
     assert sum(s.num_accepted for s in res.steps) > 0
+
+
+def test_eval_runs_a_dflash_drafter_as_dflash_chain():
+    """The evaluation's methods as a DFlash drafter runs them: its chain is ``dflash-chain``, trees are dropped,
+    and the chain decodes what plain decoding decodes."""
+    from eyas.eval.acceptance import PromptSetSpec, default_methods, make_proposer, run_acceptance
+
+    target, prompt, _ = tiny_case("llama")
+    d = dflash_drafter(target)
+    spec = PromptSetSpec("p", "jsonl")
+    res = run_acceptance(target, d, {"p": (spec, [prompt.tolist()])}, default_methods(4), warmup=False)
+    assert {r.method for r in res.results} >= {"dflash-chain", "prompt-lookup", "none"}
+    assert not any(r.method.startswith("eagle3") for r in res.results)
+    assert res.get("p", "dflash-chain").match_rate == 1.0
+    with pytest.raises(ValueError, match="dflash-chain"):
+        make_proposer(default_methods(4)[0], d)
