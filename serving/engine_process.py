@@ -378,8 +378,10 @@ def vllm_command(
 ) -> list[str]:
     """The vLLM server with the export as its EAGLE-3 drafter, one request at a time like the bundled loop."""
     from eyas.serving.export import export_is_parallel, vllm_speculative_config
+    from eyas.serving.export_dflash import is_dflash_export
 
-    spec = vllm_speculative_config(export_dir, k, export_is_parallel(export_dir))
+    method = "dflash" if is_dflash_export(export_dir) else "eagle3"
+    spec = vllm_speculative_config(export_dir, k, export_is_parallel(export_dir), method)
     return vllm_server_command(
         python, target_dir, port, cfg, "--speculative-config", json.dumps(spec), served_name=served_name
     )

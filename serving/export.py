@@ -53,6 +53,8 @@ Design decisions (what each consumer does was read from its own model-loading co
   replaces only an earlier eyas export (its ``eyas_export.json`` and nothing but export files), never a directory
   holding anything else or a plain file. Files are written 0644 and the directory 0755, whatever the umask: the
   server reading them often runs as another user.
+- A DFlash block drafter (``serving.models.dflash``) is written in vLLM's ``dflash`` format whatever ``fmt`` says
+  (:mod:`eyas.serving.export_dflash`); it has no SGLang form.
 - ``eyas_export.json`` beside the checkpoint records what produced it (target name, tokenizer hash, SGLang aux
   ids, embed scale); no server reads it, and :func:`eyas.serving.load.load_exported` works without it.
 """
@@ -104,6 +106,7 @@ from eyas.serving.load import (
     load_exported,
     read_export_json,
 )
+from eyas.serving.models.dflash import DFlashDrafter
 from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, rope_parameters_of
 from eyas.serving.models.target import TargetConfig, aux_layer_problem
 from eyas.serving.target_record import (
@@ -530,6 +533,10 @@ def export(
         cfg = ExportConfig(**{**cfg.__dict__, "fmt": fmt})
     spec = target_spec(target)
     out = Path(out_dir)
+    if isinstance(drafter, DFlashDrafter):  # vLLM's dflash format, the only one that serves it
+        from eyas.serving.export_dflash import export_dflash
+
+        return export_dflash(drafter, spec, out, cfg, record)
     include = cfg.embedding_included
 
     recover_export(out)  # an earlier replace of out cut short: the previous export back before out is judged
@@ -596,10 +603,12 @@ def export(
     )
 
 
-def vllm_speculative_config(export_dir: str | os.PathLike, k: int, parallel: bool = False) -> dict[str, Any]:
+def vllm_speculative_config(
+    export_dir: str | os.PathLike, k: int, parallel: bool = False, method: str = "eagle3"
+) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` for the export at ``export_dir`` drafting ``k`` tokens a step (a parallel
-    drafter's K in one forward: ``parallel_drafting``)."""
-    spec: dict[str, Any] = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": int(k)}
+    drafter's K in one forward: ``parallel_drafting``; ``method``: ``eagle3``, or ``dflash`` for a DFlash export)."""
+    spec: dict[str, Any] = {"method": method, "model": str(export_dir), "num_speculative_tokens": int(k)}
     if parallel:
         spec["parallel_drafting"] = True
     return spec
@@ -616,14 +625,14 @@ def export_is_parallel(export_dir: str | os.PathLike) -> bool:
 
 
 def serving_commands(
-    export_dir: str | os.PathLike, target_ref: str, k: int, parallel: bool = False
+    export_dir: str | os.PathLike, target_ref: str, k: int, parallel: bool = False, method: str = "eagle3"
 ) -> dict[str, str]:
     """The vLLM and SGLang command lines that serve ``target_ref`` with the export at ``export_dir`` as its
-    EAGLE-3 drafter, drafting a chain of ``k`` tokens per step (vLLM's only for a parallel drafter)."""
+    drafter, drafting a chain of ``k`` tokens per step (vLLM's only for a parallel or a DFlash drafter)."""
     d = str(Path(export_dir).resolve())
-    spec = json.dumps(vllm_speculative_config(d, k, parallel), separators=(",", ":"))
+    spec = json.dumps(vllm_speculative_config(d, k, parallel, method), separators=(",", ":"))
     commands = {"vllm": f"vllm serve {shlex.quote(target_ref)} --speculative-config {shlex.quote(spec)}"}
-    if not parallel:
+    if not parallel and method == "eagle3":
         commands["sglang"] = (
             f"python -m sglang.launch_server --model-path {shlex.quote(target_ref)} "
             f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {shlex.quote(d)} "
@@ -639,6 +648,7 @@ def serving_block(
     source: str,
     parallel: bool = False,
     provenance: dict[str, Any] | None = None,
+    method: str = "eagle3",
 ) -> dict[str, Any]:
     """``eyas_export.json``'s ``serve`` entry: the chain length, where it came from (``provenance``: the prompts
     it was chosen on and the hardware it was profiled on, when an evaluation chose it), and the command lines
@@ -647,7 +657,7 @@ def serving_block(
     if provenance:
         block.update(provenance)
     if k > 0:
-        block["commands"] = serving_commands(export_dir, target_ref, k, parallel)
+        block["commands"] = serving_commands(export_dir, target_ref, k, parallel, method)
     else:
         block["note"] = "plain decoding was predicted faster than any chain length on the evaluated prompts"
     return block
@@ -675,7 +685,10 @@ def record_serving(
         **({"profiled_on": profiled_on} if profiled_on else {}),
         **({"chosen_on": chosen_on} if chosen_on else {}),
     }
-    sidecar["serve"] = serving_block(d, target_ref, k, source, parallel=parallel, provenance=provenance)
+    method = "dflash" if sidecar.get("format") == "dflash" else "eagle3"
+    sidecar["serve"] = serving_block(
+        d, target_ref, k, source, parallel=parallel, provenance=provenance, method=method
+    )
     config = read_export_json(d / CONFIG, CONFIG)
     if k > 0 and _set_speculative_tokens(config, k):
         _rewrite_json(d / CONFIG, config)
@@ -772,8 +785,15 @@ def recover_export(out: Path) -> None:
 
 
 def _write_atomically(
-    out: Path, cfg_json: dict, tensors: dict[str, torch.Tensor], sidecar: dict, overwrite: bool
+    out: Path,
+    cfg_json: dict,
+    tensors: dict[str, torch.Tensor],
+    sidecar: dict,
+    overwrite: bool,
+    extra: dict[str, bytes] | None = None,
 ) -> None:
+    """The export's files (``extra``: further files by name, e.g. a DFlash export's mask embedding) written
+    under a temporary name and swapped into place (module docstring)."""
     from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -786,8 +806,11 @@ def _write_atomically(
             save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
             (tmp / CONFIG).write_text(json.dumps(cfg_json, indent=2) + "\n")
             (tmp / EYAS_SIDECAR).write_text(json.dumps(sidecar, indent=2, default=str) + "\n")
+            for name, data in (extra or {}).items():
+                (tmp / name).write_bytes(data)
             for name in EXPORT_FILES:  # safetensors writes 0600; servers may run as another user
-                (tmp / name).chmod(FILE_MODE)
+                if (tmp / name).exists():
+                    (tmp / name).chmod(FILE_MODE)
             tmp.chmod(DIR_MODE)
             fsync_tree(tmp)  # every byte on the disk before the directory takes the final name
         except OSError as e:  # a full disk, a quota, an I/O error: the earlier export is untouched
@@ -816,6 +839,8 @@ def round_trip_error(
     d = Path(export_dir)
     config = read_export_json(d / CONFIG, CONFIG)
     dtype = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "float32"))
+    if isinstance(drafter, DFlashDrafter):
+        return _dflash_round_trip_error(drafter, d, embedding, dtype)
     loaded = load_exported(
         d, embedding=embedding if embedding is not None else drafter.embed_tokens.weight, dtype=torch.float32
     )
@@ -828,6 +853,30 @@ def round_trip_error(
     a = [ref.logits(h) for h in ref.forward_ttt(ids, aux, steps).hidden]
     b = [loaded.logits(h) for h in loaded.forward_ttt(ids, aux, steps).hidden]
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def _dflash_round_trip_error(drafter: DFlashDrafter, d: Path, embedding, dtype: torch.dtype) -> float:
+    """:func:`round_trip_error` of a DFlash drafter: its blocks at a few anchors of a random sequence."""
+    loaded = load_exported(
+        d, embedding=embedding if embedding is not None else drafter.embed_tokens.weight, dtype=torch.float32
+    )
+    ref = copy.deepcopy(drafter).float().cpu()
+    for p in ref.parameters():
+        p.copy_(p.to(dtype).float())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, ref.config.vocab_size, (1, 16), generator=g)
+    ids[0, 5] = ref.config.mask_token_id  # the mask token as a real input too
+    aux = torch.randn(1, 16, ref.config.fc_in_features, generator=g)
+    anchors = torch.tensor([[1, 6, 11]])
+    k = ref.config.block_size - 1
+
+    def by_target_id(m: DFlashDrafter) -> torch.Tensor:  # a whole-vocabulary head is exported in target order
+        z = m.logits(m.forward_blocks(ids, aux, anchors, k).hidden)
+        out = z.new_zeros(*z.shape[:-1], m.config.vocab_size)
+        out[..., m.draft_to_target] = z
+        return out
+
+    return float((by_target_id(ref) - by_target_id(loaded)).abs().max())
 
 
 # -- entry point -------------------------------------------------------------------------------------------------

