@@ -530,6 +530,66 @@ def test_vllm_serves_each_drafter_family_and_returns_its_token_ids(tmp_path, fam
 
 @pytest.mark.slow
 @pytest.mark.skipif(_vllm_python() is None, reason="no .venv-vllm: run `make vllm` to test against real vLLM")
+def test_vllm_serves_a_dflash_export_and_decodes_what_greedy_decoding_does(tmp_path):
+    """A DFlash block drafter exported by eyas (one layer: vLLM's CPU build applies layer 0's k_norm to every
+    layer's context keys) loads in vLLM's ``dflash`` method, drafts K positions a step, and the completion's
+    token ids are the target's greedy ones, as the bundled loop's are with the same export loaded back. Both run
+    in fp32 on a prompt whose greedy tokens win by >= 0.2 logits each (checked first), so a difference is vLLM's
+    drafting, not two engines breaking a near tie apart (in bf16 this prompt family ties at its first token)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from eyas.serving.engine_process import engine_server
+    from eyas.serving.export import export
+    from eyas.serving.load import load_drafter
+    from eyas.serving.loop import generate
+    from eyas.serving.models.dflash import DFlashConfig, DFlashDrafter
+    from eyas.serving.models.embedded import ensure_embedded
+    from eyas.serving.models.target import TargetConfig, load_target
+    from eyas.serving.proposers import DFlashProposer, NoProposer
+    from eyas.train.setup import init_dflash_from_target
+
+    target = load_target(TargetConfig(dtype="float32", device="cpu"))
+    target_dir = ensure_embedded()
+    k, vd, n = 3, 4096, 24  # a draft vocabulary smaller than the target's: exported with d2t
+    cfg = DFlashConfig.from_target(target.model.config, list(target.aux_layers), vd, block_size=k + 1)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    drafter.set_embedding(target.model.get_input_embeddings().weight.detach().float())
+    drafter.set_vocab_map(torch.arange(vd))
+    drafter.set_head(target.head.weight)
+    init_dflash_from_target(drafter, target)
+    with torch.no_grad():
+        drafter.mask_embedding.copy_(torch.randn(cfg.hidden_size) * 0.02)
+    export(drafter, target, tmp_path / "export")
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    chat = [{"role": "user", "content": "Repeat the word hello five times."}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    greedy = generate(target, NoProposer(), prompt, n).tokens
+    with torch.no_grad():  # the precondition: no near tie along the greedy path
+        logits = target.model(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1 : -1].float()
+    top2 = logits.topk(2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) >= 0.2
+    loaded = load_drafter(str(tmp_path / "export"), target).drafter
+    bundled = generate(target, DFlashProposer(loaded, chain_length=k), prompt, n)
+    assert bundled.tokens == greedy
+    scfg = EngineServerConfig(
+        python=_vllm_python(), dtype="float32", max_model_len=512, startup_timeout_s=900
+    )
+    log = tmp_path / "vllm.log"
+    with engine_server("vllm", str(target_dir), str(tmp_path / "export"), k, scfg, log, threads=1) as srv:
+        client = EngineClient(srv.url, "vllm", timeout_s=300)
+        c = client.complete(prompt, n)
+        (r,) = measure(client, {"s": (_Spec(n), [prompt])}, warmup=False)
+    assert "DFlash mask embedding" in log.read_text()  # vLLM read the export's mask_embedding.pt
+    assert c.token_ids == greedy, (c.token_ids, greedy)
+    assert r.drafts > 0 and len(r.acceptance_by_position) == k and 1.0 <= r.tau <= k + 1
+    print(f"vLLM DFlash: tau {r.tau:.3f} (bundled {bundled.tau:.3f}), acceptance {r.acceptance_by_position}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_vllm_python() is None, reason="no .venv-vllm: run `make vllm` to test against real vLLM")
 def test_vllm_extract_hidden_states_match_the_transformers_aux_states(tmp_path):
     """vLLM's extract_hidden_states method with eyas's CPU connector (serving/vllm_plugins) writes the target's aux
     hidden states of a prompt; they equal the transformers target runner's within bf16 rounding. vLLM numbers
