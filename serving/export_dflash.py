@@ -17,7 +17,7 @@ and ``transformers_utils/configs/eagle.py``):
   vLLM shares the target's.
 - The learned mask embedding goes to ``mask_embedding.pt`` as ``{"embedding": [H], "mask_token_id": id}``, what
   ``DFlashQwen3ForCausalLM._read_mask_embedding`` reads; vLLM then embeds the mask token with it, as the
-  drafter does. The file is written as fp32 (vLLM copies it into its parameter's dtype).
+  drafter does. The file holds it in the export's dtype (vLLM copies it into a parameter of the served dtype).
 - vLLM serves it with ``--speculative-config '{"method": "dflash", "model": <dir>, "num_speculative_tokens":
   K}'`` (recorded in ``eyas_export.json``). SGLang 0.5's speculative algorithms have no DFlash: no SGLang
   command is recorded.
@@ -241,7 +241,7 @@ def export_dflash(drafter: DFlashDrafter, spec, out: Path, cfg, record=None):
         )
     cfg_json = dflash_config_json(drafter, cfg.dtype)
     buf = io.BytesIO()
-    torch.save(mask_embedding_file(drafter), buf)
+    torch.save(mask_embedding_file(drafter, _DTYPES[cfg.dtype]), buf)
     sidecar = {
         "format": "dflash",
         "target": spec.describe(),

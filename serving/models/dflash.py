@@ -387,10 +387,11 @@ class DFlashDrafter(nn.Module):
         return self.logits(self.blocks(ids, pos, ctx, mask)[0, 0, 1:])
 
 
-def mask_embedding_file(drafter: DFlashDrafter) -> dict[str, Any]:
-    """What vLLM reads from ``mask_embedding.pt``: ``{"embedding": [H], "mask_token_id": id}``."""
+def mask_embedding_file(drafter: DFlashDrafter, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """What vLLM reads from ``mask_embedding.pt``: ``{"embedding": [H], "mask_token_id": id}`` (``dtype``: the
+    export's, so the served value is the one the rest of the export rounds to)."""
     return {
-        "embedding": drafter.mask_embedding.detach().float().cpu().clone(),
+        "embedding": drafter.mask_embedding.detach().to("cpu", dtype).clone(),
         "mask_token_id": int(drafter.config.mask_token_id),
     }
 

@@ -159,7 +159,7 @@ def test_eval_runs_a_dflash_drafter_as_dflash_chain():
 
 
 # -- export ------------------------------------------------------------------------------------------------------
-def _export(tmp_path, target, draft_vocab: int = 200, **kw):
+def _export(tmp_path, target, draft_vocab: int = 200, dtype_: str = "float32", **kw):
     from eyas.serving.export import ExportConfig, export
 
     d = dflash_drafter(target, draft_vocab=draft_vocab, layers=1).float()
@@ -169,7 +169,7 @@ def _export(tmp_path, target, draft_vocab: int = 200, **kw):
         d.set_vocab_map(torch.randperm(draft_vocab, generator=torch.Generator().manual_seed(1)))
         d.set_head(target.head.weight)
     out = tmp_path / "dflash"
-    res = export(d, target, out, config=ExportConfig(dtype="float32", **kw))
+    res = export(d, target, out, config=ExportConfig(dtype=dtype_, **kw))
     return d, out, res
 
 
@@ -190,6 +190,17 @@ def test_export_then_load_gives_identical_logits(tmp_path, draft_vocab):
     b = generate(target, DFlashProposer(loaded, chain_length=3), prompt, 16)
     assert a.tokens == b.tokens == ref[:16]
     assert [s.num_accepted for s in a.steps] == [s.num_accepted for s in b.steps]
+
+
+def test_a_bf16_export_round_trips_exactly(tmp_path):
+    """In bf16 every exported value, the mask embedding included, is the rounded drafter's (``eyas export`` refuses
+    a round trip off by more than 1e-4)."""
+    from eyas.serving.export import round_trip_error
+
+    target, _, _ = tiny_case("llama")
+    d, out, _ = _export(tmp_path, target, dtype_="bfloat16")
+    assert torch.load(out / "mask_embedding.pt", weights_only=True)["embedding"].dtype == torch.bfloat16
+    assert round_trip_error(d, out, target.model.get_input_embeddings().weight) <= 1e-5
 
 
 def test_the_export_carries_what_vllm_reads_for_dflash(tmp_path):
