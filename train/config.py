@@ -287,7 +287,8 @@ class TrainConfig:
     max_grad_norm: float = 0.5
     """Global gradient-norm clip (0 disables)."""
     ttt_steps: int = 7
-    """Training-time-test unroll length (draft steps trained per position)."""
+    """Training-time-test unroll length (draft steps trained per position); for a DFlash drafter
+    (``drafter.family=dflash``) the mask slots of each training block (its K)."""
     step_decay: float = 0.8
     """Loss weight of TTT step j is step_decay ** j."""
     decay_gamma: float | None = None

@@ -99,11 +99,6 @@ class DFlashConfig:
     def fc_in_features(self) -> int:
         return len(self.aux_layer_ids) * int(self.target_hidden_size)
 
-    @property
-    def attention_window(self) -> None:
-        """No sliding window (what the shared helpers of the EAGLE-3 drafter read)."""
-        return None
-
     @classmethod
     def from_target(cls, target_config, aux_layer_ids: list[int], draft_vocab_size: int, **overrides: Any):
         """Sizes, rope and positions from a transformers config of the target."""

@@ -266,3 +266,34 @@ def test_the_dflash_names_are_those_in_the_installed_vllm_source():
         text = (root / rel).read_text()
         for line in lines:
             assert line in text, f"{rel} no longer reads {line!r}: update the DFlash export"
+
+
+def test_sampled_drafts_carry_the_block_distributions_they_were_drawn_from():
+    """Sampling: each draft position's q is the warped distribution of its block slot (the rejection rule needs
+    the real q), mapped from the draft vocabulary to the target's."""
+    from eyas.serving.verify import warp_probs
+
+    target, prompt, _ = tiny_case("llama")
+    d = dflash_drafter(target).float()
+    proposer = DFlashProposer(d, chain_length=3)
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    res = generate(target, proposer, prompt, 8, sampling=sampling)
+    committed = torch.cat([prompt, torch.tensor(res.tokens[:-1])])
+    ctx = DraftContext(
+        tokens=torch.cat([committed, torch.tensor(res.tokens[-1:])]),
+        length=committed.numel(),
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
+        mode="chain",
+        max_depth=3,
+        max_tokens=3,
+    )
+    chain = proposer.propose(ctx)
+    cached = [(k[:, :, : ctx.length], v[:, :, : ctx.length]) for k, v in zip(proposer._k, proposer._v)]
+    with torch.no_grad():
+        logits = d.draft_block(torch.tensor(res.tokens[-1]), ctx.length, cached, 3)
+    for j in range(3):
+        q = torch.zeros(target.vocab_size)
+        q[d.draft_to_target] = warp_probs(logits[j], 0.8, 0.9)
+        torch.testing.assert_close(chain.draft_probs[j + 1], q, rtol=1e-5, atol=1e-6)
+        assert q[chain.tree.tokens[j + 1]] > 0
