@@ -158,3 +158,47 @@ def test_the_trainer_trains_a_dflash_drafter_and_its_checkpoint_loads_back(tmp_p
         torch.testing.assert_close(loaded.state_dict()[name], p, rtol=0, atol=0)
     with pytest.raises(ValueError, match="no EAGLE-3 options"):
         DraftModelConfig(family="dflash", fc_norm=True)
+
+
+def test_a_dflash_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
+    """The anchors are drawn from the torch generator that checkpoints save: SIGTERM after step 2, resume, and the
+    weights at step 4 are those of a run never stopped."""
+    import os
+    import signal
+
+    from eyas.train.guards import TrainingInterrupted
+    from eyas.train.setup import build_drafter
+    from eyas.train.sources import ListSource
+    from eyas.train.trainer import fit
+    from eyas.train.vocab import build_draft_vocab
+
+    from .test_trainer import tiny_cfg, tiny_setup
+
+    class StopAfter(ListSource):
+        def __init__(self, batches, n: int | None):
+            super().__init__(batches, shuffle=True)
+            self.n, self.served = n, 0
+
+        def __iter__(self):
+            for b in super().__iter__():
+                self.served += 1
+                if self.served == self.n:
+                    os.kill(os.getpid(), signal.SIGTERM)  # StopSignals: save this step, then stop
+                yield b
+
+    def run(out, stop):
+        target, _, data = tiny_setup(num_samples=4, seq_len=24, draft_vocab=64)
+        vocab = build_draft_vocab(data.vocab_counts, 64)
+        drafter = build_drafter(
+            target, DraftModelConfig(draft_vocab_size=64, family="dflash"), vocab, block_size=4
+        )
+        cfg = tiny_cfg(out, max_steps=4, save_every=0, ttt_steps=3, block_anchors=3)
+        fit(cfg, drafter, StopAfter(data.train, stop), None, head=target.head, target_info=target.info)
+        return drafter
+
+    whole = run(tmp_path / "whole", None)
+    with pytest.raises(TrainingInterrupted):
+        run(tmp_path / "stopped", 2)
+    resumed = run(tmp_path / "stopped", None)
+    for name, p in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], p, rtol=0, atol=0, msg=name)
