@@ -26,6 +26,9 @@ Design decisions:
   TTT settings and speaks of the chain length served.
 - One trainer per output directory (``train.guards.OutputDirLock``); SIGTERM / SIGINT save a checkpoint of the
   step reached and end the run with :class:`~train.guards.TrainingInterrupted` (``train.guards.StopSignals``).
+- A DFlash block drafter (``serving.models.dflash``) is trained by the same loop: each micro-batch's blocks are
+  drawn first (:func:`train.block_loss.plan_blocks`), its teacher is built at the positions their slots read, and
+  :class:`train.block_loss.BlockDistillationModel` stands in for the TTT model; evaluation takes every anchor.
 - Time is split into data wait (fetching the batches and moving them to the device) and compute.
 """
 
@@ -468,9 +471,8 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg, self.drafter, self.data = cfg, drafter, data
-        self.blocks = isinstance(
-            drafter, DFlashDrafter
-        )  # a block drafter: blocks at anchors, not a TTT unroll
+        # a DFlash block drafter trains on blocks at anchors (train.block_loss), not on a TTT unroll
+        self.blocks = isinstance(drafter, DFlashDrafter)
         self.acc = accelerator or make_accelerator(cfg)
         self.device = self.acc.device
         self.info = target_info.to_dict() if hasattr(target_info, "to_dict") else target_info

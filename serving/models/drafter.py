@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,9 @@ from torch import nn
 from eyas.serving.models.kv_cache import SlotCache
 from eyas.serving.models.target import aux_layer_problem
 from eyas.serving.models.ttt_attention import segment_starts, ttt_attention
+
+if TYPE_CHECKING:
+    from eyas.serving.models.dflash import DFlashDrafter
 
 WEIGHTS_FILE = "drafter.safetensors"
 """Trainable weights of a drafter checkpoint (everything but the frozen target embedding)."""
@@ -622,9 +625,10 @@ def is_drafter_checkpoint(directory) -> bool:
     return (Path(directory) / WEIGHTS_FILE).exists() and (Path(directory) / CONFIG_FILE).exists()
 
 
-def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
+def load_trained_drafter(directory, embedding: torch.Tensor | None = None) -> Eagle3Drafter | DFlashDrafter:
     """A drafter from a trainer checkpoint directory (fp32, CPU): an EAGLE-3 one, or a DFlash one where its config
-    says ``family: dflash``; ``embedding``: the target's input embedding table (the checkpoint does not hold it). A damaged or foreign file raises ``ValueError`` naming it."""
+    says ``family: dflash``; ``embedding``: the target's input embedding table (the checkpoint does not hold it).
+    A damaged or foreign file raises ``ValueError`` naming it."""
     import json
     from pathlib import Path
 
