@@ -158,6 +158,17 @@ def test_the_trainer_trains_a_dflash_drafter_and_its_checkpoint_loads_back(tmp_p
         torch.testing.assert_close(loaded.state_dict()[name], p, rtol=0, atol=0)
     with pytest.raises(ValueError, match="no EAGLE-3 options"):
         DraftModelConfig(family="dflash", fc_norm=True)
+    # `eyas export` of the checkpoint: vLLM's DFlash format, loaded back with the same logits, described
+    from eyas.serving.export import ExportJob, ExportStage
+    from eyas.serving.export import run as run_export
+
+    out = run_export(
+        ExportJob(export=ExportStage(checkpoint=res.last_checkpoint, out_dir=str(tmp_path / "export"))),
+        target,
+    )
+    assert out["format"] == "dflash" and out["round_trip_max_abs_logit_diff"] == 0.0
+    assert out["aux_layers_sglang"] == list(target.aux_layers) and out["draft_vocab_size"] == 64
+    assert '"method":"dflash"' in out["serve"]["commands"]["vllm"]
 
 
 def test_a_dflash_run_stopped_and_resumed_equals_an_uninterrupted_one(tmp_path):
