@@ -54,7 +54,8 @@ Design decisions (what each consumer does was read from its own model-loading co
   holding anything else or a plain file. Files are written 0644 and the directory 0755, whatever the umask: the
   server reading them often runs as another user.
 - A DFlash block drafter (``serving.models.dflash``) is written in vLLM's ``dflash`` format whatever ``fmt`` says
-  (:mod:`eyas.serving.export_dflash`); it has no SGLang form.
+  (:mod:`eyas.serving.export_dflash`); no SGLang command is recorded for it (SGLang's DFlash reading this
+  export's mask embedding and ``d2t`` is unverified).
 - ``eyas_export.json`` beside the checkpoint records what produced it (target name, tokenizer hash, SGLang aux
   ids, embed scale); no server reads it, and :func:`eyas.serving.load.load_exported` works without it.
 """

@@ -19,8 +19,10 @@ and ``transformers_utils/configs/eagle.py``):
   ``DFlashQwen3ForCausalLM._read_mask_embedding`` reads; vLLM then embeds the mask token with it, as the
   drafter does. The file holds it in the export's dtype (vLLM copies it into a parameter of the served dtype).
 - vLLM serves it with ``--speculative-config '{"method": "dflash", "model": <dir>, "num_speculative_tokens":
-  K}'`` (recorded in ``eyas_export.json``). SGLang 0.5's speculative algorithms have no DFlash: no SGLang
-  command is recorded.
+  K}'`` (recorded in ``eyas_export.json``). Recent SGLang releases serve DFlash too (``--speculative-algorithm
+  DFLASH``, written for z-lab's checkpoints, whose mask token keeps the target's own embedding row and whose head
+  is the target's); whether SGLang reads this export's ``mask_embedding.pt`` and ``d2t`` is not verified (SGLang has
+  no CPU build to test against), so no SGLang command is recorded.
 - vLLM's CPU build normalises every layer's context keys with layer 0's ``k_norm``: an export of a deeper
   drafter is written (vLLM's GPU build serves it right) with a warning.
 """
