@@ -95,7 +95,12 @@ def test_every_variant_composes_and_the_issue_40_ones_each_change_one_thing():
             "eagle3.1": {"fc_norm", "norm_output"},
             "p-eagle": {"parallel_drafting"},
             "p-eagle-ttt6": {"parallel_drafting", "ttt_steps"},
-            "dflash": {"family", "ttt_steps", "decay_gamma"},  # the block drafter, its block and slot weights
+            "dflash": {
+                "family",
+                "init",
+                "ttt_steps",
+                "decay_gamma",
+            },  # the block drafter, its start, block, weights
             # SpecForge's recipe: its optimizer, lr, warm-up, TTT length and a random start; the rest the study's
             "specforge": {"init", "lr", "ttt_steps", "optimizer", "warmup_steps"},
         }.get(v.name, {"loss"})
