@@ -24,6 +24,12 @@ Design decisions:
   then scatters the logits to target ids, -inf elsewhere, exactly what the bundled loop drafts from).
 - vLLM's CPU build applies layer 0's ``k_norm`` to the context keys of every layer (``_normalize_context_k``):
   the default is one layer; deeper drafters are correct here and in vLLM's GPU build only.
+- The mask token's embedding is replaced wherever the id occurs in a block, the pending token included, as vLLM's
+  ``embed_input_ids`` does; the default mask id is the target vocabulary's last. Embeddings are never scaled (vLLM
+  does not scale them for this architecture).
+- Initialisation: random (``drafter.init=random``, what the recipe's ``dflash`` variant uses: it learned faster
+  on the demo store, docs/LOG.md), or the target's upper layers (``train.setup.init_dflash_from_target``);
+  ``mask_embedding`` starts at zeros either way.
 """
 
 from __future__ import annotations
