@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.serving.models.drafter import MLP, RMSNorm, Rotary, apply_rope, rope_parameters_of
+from eyas.serving.models.layers import MLP, RMSNorm, Rotary, TargetVocabulary, apply_rope, rope_parameters_of
 from eyas.serving.models.target import aux_layer_problem
 
 FAMILY = "dflash"
@@ -231,7 +231,7 @@ class BlockOutput:
     valid: torch.Tensor
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(TargetVocabulary):
     """See the module docstring."""
 
     def __init__(self, cfg: DFlashConfig):
@@ -244,51 +244,14 @@ class DFlashDrafter(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target head's draft rows (set_head)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.init_vocabulary(cfg)
         self.rotary = Rotary(cfg)
-        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        self.register_buffer("d2t", d2t)
-        self.register_buffer("t2d", t2d)
 
     # -- setup (the frozen target parts) -----------------------------------------------------------------------
-    def set_embedding(self, weight: torch.Tensor) -> None:
-        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(
-                f"target embedding {tuple(weight.shape)} does not fit this drafter "
-                f"({tuple(self.embed_tokens.weight.shape)})"
-            )
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(weight)
-
-    def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
-        """Install the draft vocabulary (``draft_to_target[i]``: target id of draft token i)."""
-        ids = draft_to_target.long().cpu()
-        if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
-            raise ValueError(
-                f"need {self.config.draft_vocab_size} distinct target ids for the draft vocabulary"
-            )
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise ValueError("draft vocabulary ids must lie inside the target vocabulary")
-        t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.copy_(t2d)
-
     def set_head(self, target_head_weight: torch.Tensor) -> None:
         """The frozen head: the target head's rows of the draft vocabulary (call after :meth:`set_vocab_map`)."""
         with torch.no_grad():
             self.lm_head.weight.copy_(target_head_weight.detach().float().cpu()[self.draft_to_target.cpu()])
-
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything but the target embedding (the frozen head is kept: export writes it)."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
 
     # -- pieces ------------------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
