@@ -53,8 +53,9 @@ Design decisions (what each consumer does was read from its own model-loading co
   replaces only an earlier eyas export (its ``eyas_export.json`` and nothing but export files), never a directory
   holding anything else or a plain file. Files are written 0644 and the directory 0755, whatever the umask: the
   server reading them often runs as another user.
-- A DFlash block drafter (``serving.models.dflash``) is written in vLLM's ``dflash`` format whatever ``fmt`` says
-  (:mod:`eyas.serving.export_dflash`); no SGLang command is recorded for it (SGLang's DFlash reading this
+- A DFlash block drafter (``serving.models.dflash``) is written in vLLM's ``dflash`` format whatever ``fmt`` says,
+  through the same checks, sidecar and atomic write as EAGLE-3's (:mod:`eyas.serving.export_dflash` supplies its
+  tensors, config and mask embedding file); no SGLang command is recorded for it (SGLang's DFlash reading this
   export's mask embedding and ``d2t`` is unverified).
 - ``eyas_export.json`` beside the checkpoint records what produced it (target name, tokenizer hash, SGLang aux
   ids, embed scale); no server reads it, and :func:`eyas.serving.load.load_exported` works without it.
@@ -87,6 +88,12 @@ from eyas.common import (
     recover_dir,
     replace_dir,
 )
+from eyas.serving.export_dflash import (
+    check_dflash_tensors,
+    dflash_config_json,
+    dflash_tensors,
+    mask_embedding_bytes,
+)
 from eyas.serving.export_format import (
     CONFIG,
     EAGLE31_KEYS,
@@ -94,6 +101,7 @@ from eyas.serving.export_format import (
     EXPORT_FILES,
     EYAS_SIDECAR,
     FORMATS,
+    MASK_EMBEDDING,
     SPECULATORS_ARCH,
     WEIGHTS,
     ExportError,
@@ -107,8 +115,9 @@ from eyas.serving.load import (
     load_exported,
     read_export_json,
 )
-from eyas.serving.models.dflash import DFlashDrafter
-from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter, rope_parameters_of
+from eyas.serving.models.dflash import DFlashConfig, DFlashDrafter
+from eyas.serving.models.drafter import DrafterConfig, Eagle3Drafter
+from eyas.serving.models.layers import rope_parameters_of
 from eyas.serving.models.target import TargetConfig, aux_layer_problem
 from eyas.serving.target_record import (
     SIDECAR_KEY,
@@ -308,13 +317,9 @@ def _norm_rope(rope: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -> list[str]:
-    """Problems with exporting this drafter for this target in this format; [] if none."""
-    c = drafter.config
+def target_problems(c: DrafterConfig | DFlashConfig, spec: TargetSpec) -> list[str]:
+    """Problems of either drafter family's config ``c`` with the target ``spec`` describes: layers, sizes, rope."""
     problems: list[str] = []
-    n_aux = len(c.aux_layer_ids)
-    if n_aux != 3:
-        problems.append(f"the drafter fuses {n_aux} aux layers; SGLang and vLLM build fc for exactly 3")
     aux_problem = aux_layer_problem(c.aux_layer_ids, spec.num_layers)
     if aux_problem:
         problems.append(aux_problem)
@@ -337,6 +342,19 @@ def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportCon
             f"drafter rope {_norm_rope(c.rope_parameters)} differs from the target's "
             f"{_norm_rope(spec.rope_parameters)}"
         )
+    if str(c.rope_parameters.get("rope_type", "default")).startswith("dynamic"):
+        problems.append("dynamic rope scaling cannot be exported")
+    return problems
+
+
+def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportConfig) -> list[str]:
+    """Problems with exporting this EAGLE-3 drafter for this target in this format; [] if none."""
+    c = drafter.config
+    problems: list[str] = []
+    n_aux = len(c.aux_layer_ids)
+    if n_aux != 3:
+        problems.append(f"the drafter fuses {n_aux} aux layers; SGLang and vLLM build fc for exactly 3")
+    problems += target_problems(c, spec)
     if c.attention_bias:
         problems.append("attention_bias drafters cannot be exported (SGLang's EAGLE-3 qkv has no bias)")
     if c.hidden_act != "silu":
@@ -347,8 +365,6 @@ def check_compatibility(drafter: Eagle3Drafter, spec: TargetSpec, cfg: ExportCon
             "never do, so the served drafter would differ slightly (set allow_embed_scale=True to "
             "export anyway)"
         )
-    if str(c.rope_parameters.get("rope_type", "default")).startswith("dynamic"):
-        problems.append("dynamic rope scaling cannot be exported")
     if cfg.fmt == "speculators" and c.parallel_drafting and (c.fc_norm or c.norm_output):
         problems.append(
             "vLLM's peagle speculators config drops fc_norm and norm_output (update_peagle): export this "
@@ -534,22 +550,27 @@ def export(
         cfg = ExportConfig(**{**cfg.__dict__, "fmt": fmt})
     spec = target_spec(target)
     out = Path(out_dir)
-    if isinstance(drafter, DFlashDrafter):  # vLLM's dflash format, the only one that serves it
-        from eyas.serving.export_dflash import export_dflash
-
-        return export_dflash(drafter, spec, out, cfg, record)
-    include = cfg.embedding_included
+    dflash = isinstance(drafter, DFlashDrafter)  # vLLM's dflash format, the only one that serves it
+    include = cfg.embedding_included and not dflash  # DFlash shares the target's embedding
+    dtype = _DTYPES[cfg.dtype]
 
     recover_export(out)  # an earlier replace of out cut short: the previous export back before out is judged
-    problems = check_compatibility(drafter, spec, cfg)
-    tensors = {k: v.detach().cpu() for k, v in drafter.trainable_state_dict().items()}
-    if include:
-        emb = embedding if embedding is not None else spec.embedding
-        if emb is None:
-            log.info("export: writing the drafter's copy of the target embedding (no target embedding given)")
-            emb = drafter.embed_tokens.weight
-        tensors[EMBED] = emb.detach().cpu()
-    problems += check_tensors(tensors, drafter.config, include)
+    if dflash:
+        problems = target_problems(drafter.config, spec)
+        written = dflash_tensors(drafter, dtype)
+        problems += check_dflash_tensors(written, drafter.config, "drafter")
+    else:
+        problems = check_compatibility(drafter, spec, cfg)
+        tensors = {k: v.detach().cpu() for k, v in drafter.trainable_state_dict().items()}
+        if include:
+            emb = embedding if embedding is not None else spec.embedding
+            if emb is None:
+                log.info(
+                    "export: writing the drafter's copy of the target embedding (no target embedding given)"
+                )
+                emb = drafter.embed_tokens.weight
+            tensors[EMBED] = emb.detach().cpu()
+        problems += check_tensors(tensors, drafter.config, include)
     out_problem = output_dir_problem(out, cfg.overwrite)
     if out_problem:
         problems.append(out_problem)
@@ -559,26 +580,38 @@ def export(
         except InputError as e:
             problems.append(str(e))
     if problems:
-        raise ExportError("cannot export the drafter:\n  - " + "\n  - ".join(problems))
-    if cfg.fmt == "sglang" and _eagle31_keys(drafter.config):
-        log.warning(
-            "export: the drafter uses %s; vLLM reads them from config.json, but SGLang versions whose "
-            "LlamaForCausalLMEagle3 lacks them skip their weights and serve another drafter (check yours)",
-            ", ".join(_eagle31_keys(drafter.config)),
-        )
-
-    dtype = _DTYPES[cfg.dtype]
-    written = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
-    if cfg.fmt == "speculators":
-        written = {to_speculators_name(k): v for k, v in written.items()}
-        cfg_json = speculators_config(drafter, spec, cfg)
+        what = "the DFlash drafter" if dflash else "the drafter"
+        raise ExportError(f"cannot export {what}:\n  - " + "\n  - ".join(problems))
+    extra: dict[str, bytes] = {}
+    if dflash:
+        if drafter.config.num_hidden_layers > 1:
+            log.warning(
+                "export: a %d-layer DFlash drafter; vLLM 0.32's CPU build applies layer 0's k_norm to every "
+                "layer's context keys (qwen3_dflash.py _normalize_context_k), so serve it on GPU",
+                drafter.config.num_hidden_layers,
+            )
+        fmt = "dflash"
+        cfg_json = {**dflash_config_json(drafter, cfg.dtype), **_rope_keys(drafter.config)}
+        extra[MASK_EMBEDDING] = mask_embedding_bytes(drafter, dtype)
     else:
-        cfg_json = sglang_config(drafter, spec, cfg)
+        if cfg.fmt == "sglang" and _eagle31_keys(drafter.config):
+            log.warning(
+                "export: the drafter uses %s; vLLM reads them from config.json, but SGLang versions whose "
+                "LlamaForCausalLMEagle3 lacks them skip their weights and serve another drafter (check yours)",
+                ", ".join(_eagle31_keys(drafter.config)),
+            )
+        fmt = cfg.fmt
+        written = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+        if cfg.fmt == "speculators":
+            written = {to_speculators_name(k): v for k, v in written.items()}
+            cfg_json = speculators_config(drafter, spec, cfg)
+        else:
+            cfg_json = sglang_config(drafter, spec, cfg)
     sidecar = {
-        "format": cfg.fmt,
+        "format": fmt,
         "target": spec.describe(),
         "aux_layers_sglang": list(drafter.config.aux_layer_ids),
-        "embed_scale": drafter.config.embed_scale,
+        "embed_scale": 1.0 if dflash else drafter.config.embed_scale,
         "embedding_included": include,
         "drafter_config": drafter.config.to_dict(),
         "serve": serving_block(
@@ -586,17 +619,18 @@ def export(
             spec.source or spec.name,
             cfg.speculative_tokens,
             "export.speculative_tokens",
-            parallel=drafter.config.parallel_drafting,
+            parallel=not dflash and drafter.config.parallel_drafting,
+            method="dflash" if dflash else "eagle3",
         ),
     }
     if record is not None:
         sidecar[SIDECAR_KEY] = record.to_dict()
-    _write_atomically(out, cfg_json, written, sidecar, cfg.overwrite)
+    _write_atomically(out, cfg_json, written, sidecar, cfg.overwrite, extra=extra)
     num_bytes = sum(t.numel() * t.element_size() for t in written.values())
-    log.info("exported drafter (%s, %s, %.1f MiB) to %s", cfg.fmt, cfg.dtype, num_bytes / 2**20, out)
+    log.info("exported drafter (%s, %s, %.1f MiB) to %s", fmt, cfg.dtype, num_bytes / 2**20, out)
     return ExportResult(
         out_dir=out,
-        fmt=cfg.fmt,
+        fmt=fmt,
         config=cfg_json,
         tensor_names=sorted(written),
         num_bytes=num_bytes,

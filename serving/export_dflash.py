@@ -108,9 +108,8 @@ def check_dflash_tensors(tensors: dict[str, torch.Tensor], c: DFlashConfig, wher
 
 
 def dflash_config_json(drafter: DFlashDrafter, dtype: str) -> dict[str, Any]:
-    """``config.json`` as vLLM's ``DFlashQwen3ForCausalLM`` reads it (module docstring)."""
-    from eyas.serving.export import _rope_keys
-
+    """``config.json`` as vLLM's ``DFlashQwen3ForCausalLM`` reads it (module docstring), but for the rope keys, which
+    :func:`eyas.serving.export.export` adds as it does for EAGLE-3."""
     c = drafter.config
     out: dict[str, Any] = {
         "architectures": [DFLASH_ARCH],
@@ -130,7 +129,6 @@ def dflash_config_json(drafter: DFlashDrafter, dtype: str) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
         "dtype": dtype,
-        **_rope_keys(c),
         "block_size": c.block_size,
         "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.aux_layer_ids)},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.aux_layer_ids],
@@ -180,112 +178,24 @@ def dflash_config_from(config: dict[str, Any], path: Path) -> DFlashConfig:
         raise ExportError(f"{path}: {e}") from e
 
 
-def dflash_compatibility(drafter: DFlashDrafter, spec) -> list[str]:
-    """Problems with serving ``drafter`` on the target ``spec`` describes (:class:`serving.export.TargetSpec`)."""
-    from eyas.serving.export import _norm_rope
-    from eyas.serving.models.target import aux_layer_problem
-
-    c = drafter.config
-    problems = []
-    aux_problem = aux_layer_problem(c.aux_layer_ids, spec.num_layers)
-    if aux_problem:
-        problems.append(aux_problem)
-    if spec.aux_layers is not None and tuple(spec.aux_layers) != tuple(c.aux_layer_ids):
-        problems.append(
-            f"the drafter reads aux layers {list(c.aux_layer_ids)}, the target runner {list(spec.aux_layers)}"
-        )
-    if c.hidden_size != spec.hidden_size:
-        problems.append(f"drafter hidden_size {c.hidden_size} != target's {spec.hidden_size}")
-    if c.vocab_size != spec.vocab_size:
-        problems.append(f"drafter vocab_size {c.vocab_size} != target's embedding rows {spec.vocab_size}")
-    if c.max_position_embeddings < spec.max_position_embeddings:
-        problems.append(f"drafter max_position_embeddings {c.max_position_embeddings} < target's")
-    if _norm_rope(c.rope_parameters) != _norm_rope(spec.rope_parameters):
-        problems.append(f"drafter rope {c.rope_parameters} differs from the target's {spec.rope_parameters}")
-    if str(c.rope_parameters.get("rope_type", "default")).startswith("dynamic"):
-        problems.append("dynamic rope scaling cannot be exported")
-    return problems
-
-
-def export_dflash(drafter: DFlashDrafter, spec, out: Path, cfg, record=None):
-    """:func:`serving.export.export` for a DFlash drafter (``cfg``: its :class:`~serving.export.ExportConfig`;
-    the format is vLLM's, whatever ``cfg.fmt`` says)."""
-    from eyas.common import InputError, ensure_out_dir
-    from eyas.serving.export import (
-        _DTYPES,
-        ExportResult,
-        _write_atomically,
-        output_dir_problem,
-        recover_export,
-        serving_block,
-    )
-    from eyas.serving.target_record import SIDECAR_KEY
-
-    recover_export(out)
-    problems = dflash_compatibility(drafter, spec)
-    written = dflash_tensors(drafter, _DTYPES[cfg.dtype])
-    problems += check_dflash_tensors(written, drafter.config, "drafter")
-    out_problem = output_dir_problem(out, cfg.overwrite)
-    if out_problem:
-        problems.append(out_problem)
-    else:
-        try:
-            ensure_out_dir(out.parent, "export.out_dir", value=out)
-        except InputError as e:
-            problems.append(str(e))
-    if problems:
-        raise ExportError("cannot export the DFlash drafter:\n  - " + "\n  - ".join(problems))
-    if drafter.config.num_hidden_layers > 1:
-        log.warning(
-            "export: a %d-layer DFlash drafter; vLLM 0.32's CPU build applies layer 0's k_norm to every layer's "
-            "context keys (qwen3_dflash.py _normalize_context_k), so serve it on GPU",
-            drafter.config.num_hidden_layers,
-        )
-    cfg_json = dflash_config_json(drafter, cfg.dtype)
+def mask_embedding_bytes(drafter: DFlashDrafter, dtype: torch.dtype) -> bytes:
+    """``mask_embedding.pt``'s bytes, as vLLM reads the file (module docstring)."""
     buf = io.BytesIO()
-    torch.save(mask_embedding_file(drafter, _DTYPES[cfg.dtype]), buf)
-    sidecar = {
-        "format": "dflash",
-        "target": spec.describe(),
-        "aux_layers_sglang": list(drafter.config.aux_layer_ids),
-        "embed_scale": 1.0,
-        "embedding_included": False,
-        "drafter_config": drafter.config.to_dict(),
-        "serve": serving_block(
-            out,
-            spec.source or spec.name,
-            cfg.speculative_tokens,
-            "export.speculative_tokens",
-            method="dflash",
-        ),
-    }
-    if record is not None:
-        sidecar[SIDECAR_KEY] = record.to_dict()
-    _write_atomically(out, cfg_json, written, sidecar, cfg.overwrite, extra={MASK_EMBEDDING: buf.getvalue()})
-    num_bytes = sum(t.numel() * t.element_size() for t in written.values())
-    log.info("exported DFlash drafter (vLLM, %s, %.1f MiB) to %s", cfg.dtype, num_bytes / 2**20, out)
-    return ExportResult(
-        out_dir=out,
-        fmt="dflash",
-        config=cfg_json,
-        tensor_names=sorted(written),
-        num_bytes=num_bytes,
-        embedding_included=False,
-    )
+    torch.save(mask_embedding_file(drafter, dtype), buf)
+    return buf.getvalue()
 
 
 def load_dflash_export(
     d: Path,
     config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
     embedding: torch.Tensor,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> DFlashDrafter:
-    """The drafter a DFlash export holds, on the target's embedding ``embedding`` (a [V, H] tensor)."""
-    from eyas.serving.load import read_export_weights
-
+    """The drafter a DFlash export holds (``tensors``: its weights file, read by :mod:`eyas.serving.load`), on the
+    target's embedding ``embedding`` (a [V, H] tensor)."""
     c = dflash_config_from(config, d / CONFIG)
-    tensors = read_export_weights(d / WEIGHTS)
     problems = check_dflash_tensors(tensors, c, str(d / WEIGHTS))
     mask_path = d / MASK_EMBEDDING
     if not mask_path.is_file():

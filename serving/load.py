@@ -408,7 +408,8 @@ def load_exported(
 
         if embedding is None:
             raise ExportError(f"{d}: a DFlash export holds no embedding; pass embedding= the target's")
-        return load_dflash_export(d, config, _embedding_weight(embedding), dtype, device)
+        tensors = read_export_weights(d / WEIGHTS)
+        return load_dflash_export(d, config, tensors, _embedding_weight(embedding), dtype, device)
     dcfg = _drafter_config_from(config, fmt, sidecar, cfg_path)
     tensors = read_export_weights(w_path)
     if fmt == "speculators":

@@ -108,6 +108,27 @@ class NoProposer:
         pass
 
 
+def check_drafter_target(c, info: TargetInfo, family: str) -> None:
+    """Raise a ValueError naming every way a drafter of config ``c`` (either family's: sizes, vocabulary, the aux
+    layers it reads) does not fit the target ``info`` describes."""
+    problems = []
+    if c.hidden_size != info.hidden_size:
+        problems.append(f"hidden size {c.hidden_size} vs the target's {info.hidden_size}")
+    if c.target_hidden_size != info.hidden_size:
+        problems.append(f"aux state width {c.target_hidden_size} vs the target's {info.hidden_size}")
+    if c.vocab_size != info.vocab_size:
+        problems.append(f"vocabulary {c.vocab_size} vs the target's {info.vocab_size}")
+    if list(c.aux_layer_ids) != list(info.aux_layers):
+        problems.append(f"aux layers {list(c.aux_layer_ids)} vs the target's {list(info.aux_layers)}")
+    if problems:
+        raise ValueError(
+            f"this {family} drafter was built for another target than {info.name}: "
+            + "; ".join(problems)
+            + ". Use a drafter trained for this target, or load the target with the drafter's aux layers "
+            "(TargetConfig.aux_layers)."
+        )
+
+
 @dataclass
 class PromptLookupConfig:
     """Prompt lookup (n-gram match against the context)."""
@@ -202,23 +223,7 @@ class Eagle3Proposer:
     # -- setup ------------------------------------------------------------------------------------------------
     def check_target(self, info: TargetInfo) -> None:
         """Raise a ValueError naming every way this drafter does not fit ``info``."""
-        c = self.drafter.config
-        problems = []
-        if c.hidden_size != info.hidden_size:
-            problems.append(f"hidden size {c.hidden_size} vs the target's {info.hidden_size}")
-        if c.target_hidden_size != info.hidden_size:
-            problems.append(f"aux state width {c.target_hidden_size} vs the target's {info.hidden_size}")
-        if c.vocab_size != info.vocab_size:
-            problems.append(f"vocabulary {c.vocab_size} vs the target's {info.vocab_size}")
-        if list(c.aux_layer_ids) != list(info.aux_layers):
-            problems.append(f"aux layers {list(c.aux_layer_ids)} vs the target's {list(info.aux_layers)}")
-        if problems:
-            raise ValueError(
-                f"this EAGLE-3 drafter was built for another target than {info.name}: "
-                + "; ".join(problems)
-                + ". Use a drafter trained for this target, or load the target with the drafter's aux layers "
-                "(TargetConfig.aux_layers)."
-            )
+        check_drafter_target(self.drafter.config, info, "EAGLE-3")
 
     def reset(self, prompt_ids: torch.Tensor, *, target: TargetInfo, max_len: int) -> None:
         self.check_target(target)
@@ -386,18 +391,7 @@ class DFlashProposer:
 
     def check_target(self, info: TargetInfo) -> None:
         """Raise a ValueError naming every way this drafter does not fit ``info``."""
-        c = self.drafter.config
-        problems = []
-        if c.hidden_size != info.hidden_size or c.target_hidden_size != info.hidden_size:
-            problems.append(f"hidden size {c.hidden_size} vs the target's {info.hidden_size}")
-        if c.vocab_size != info.vocab_size:
-            problems.append(f"vocabulary {c.vocab_size} vs the target's {info.vocab_size}")
-        if list(c.aux_layer_ids) != list(info.aux_layers):
-            problems.append(f"aux layers {list(c.aux_layer_ids)} vs the target's {list(info.aux_layers)}")
-        if problems:
-            raise ValueError(
-                f"this DFlash drafter was built for another target than {info.name}: " + "; ".join(problems)
-            )
+        check_drafter_target(self.drafter.config, info, "DFlash")
 
     def reset(self, prompt_ids: torch.Tensor, *, target: TargetInfo, max_len: int) -> None:
         self.check_target(target)
