@@ -41,6 +41,28 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def run_group(cmd: list[str], *, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in the repository, in its own process group: past
+    ``timeout`` the launcher *and its workers* are killed (``subprocess.run`` kills only the launcher and would
+    leave a worker running on after the test) and ``subprocess.TimeoutExpired`` is raised as usual."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _node_command(config: str, rank: int, port: int) -> list[str]:
     """The launcher of machine ``rank``: ``accelerate launch`` with ``conf/accelerate/{config}.yaml``, or
     ``torchrun`` (``config="torchrun"``: c10d rendezvous at the endpoint; ranks by arrival)."""

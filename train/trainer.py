@@ -64,6 +64,7 @@ from eyas.train.checkpoint import (
     trainable_weights,
 )
 from eyas.train.config import TrainConfig, resolve_mixed_precision
+from eyas.train.deepspeed_cpu import build_cpu_comm_op
 from eyas.train.guards import OutputDirLock, StopSignals, TrainingInterrupted
 from eyas.train.losses import (
     ChainCounts,
@@ -167,6 +168,8 @@ def make_accelerator(cfg: TrainConfig):
         # accelerate finds no device backend on a CPU-only machine and would leave every DeepSpeed process
         # thinking it is alone (rank 0 of 1); naming gloo makes it set up the real process group
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        # DeepSpeed JIT-builds its CPU collective op here; a dead build's lock file would hang this run forever
+        build_cpu_comm_op()
     from accelerate.state import AcceleratorState
 
     mixed = resolve_mixed_precision(cfg.precision)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from eyas.train.checkpoint import latest_checkpoint, load_weights
-from tests.launch import free_port, launch_two_nodes, needs_accelerate, needs_deepspeed
+from tests.launch import free_port, launch_two_nodes, needs_accelerate, needs_deepspeed, run_group
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.distributed, needs_accelerate]
@@ -64,7 +64,7 @@ def _accelerate_run(config: str, processes: int, overrides: list[str]) -> subpro
             "eyas.train",
             *overrides,
         ]
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        r = run_group(cmd, env=env, timeout=300)
         if r.returncode == 0 or "address already in use" not in (r.stdout + r.stderr).lower() or attempt:
             break
     return r
