@@ -308,6 +308,13 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
         if summary.get("complete", True) or not cfg.regenerate:
             log.info("prepare: reusing the finished output in %s", out)
             return _result_from_summary(out, summary)
+        if _done_up_to_max_batches(summary, cfg.regen.max_batches):
+            log.info(
+                "prepare: reusing %s: its first %d batches are regenerated (max_batches; a larger value continues)",
+                out,
+                cfg.regen.max_batches,
+            )
+            return _result_from_summary(out, summary)
         log.info("prepare: %s holds a partly regenerated corpus; continuing the regeneration", out)
 
     corpus: CorpusSplits = load_corpus(cfg.corpus)
@@ -326,7 +333,13 @@ def prepare(cfg: PrepareConfig, target=None, *, tokenizer=None) -> PrepareResult
         if session is not None:
             session.close()
     result = PrepareResult(out_dir=out, splits=splits, corpus_stats=corpus_stats)
-    summary = {**result.to_dict(), "complete": result.complete, "config_hash": key, "inputs": inputs}
+    summary = {
+        **result.to_dict(),
+        "complete": result.complete,
+        "config_hash": key,
+        "inputs": inputs,
+        "regen_max_batches": cfg.regen.max_batches if cfg.regenerate else None,
+    }
     atomic_write_json(summary_path, summary)
     return result
 
@@ -430,6 +443,16 @@ def _result_from_summary(out: Path, d: dict[str, Any]) -> PrepareResult:
         regen = _regen_result(s["regen"]) if s.get("regen") else None
         splits[name] = SplitResult(**{**s, "format": FormatStats(**s["format"]), "regen": regen})
     return PrepareResult(out_dir=out, splits=splits, corpus_stats=d["corpus_stats"], reused=True)
+
+
+def _done_up_to_max_batches(summary: dict[str, Any], max_batches: int | None) -> bool:
+    """Whether an unfinished regeneration left only conversations past ``max_batches`` (its own limit was at least
+    this one), so that a rerun would start the engine to find nothing to do."""
+    made_with = summary.get("regen_max_batches")
+    if max_batches is None or made_with is None or max_batches > made_with:
+        return False
+    regens = [s.get("regen") for s in summary.get("splits", {}).values() if s.get("regen")]
+    return all(r.get("remaining", 0) == r.get("past_max_batches", 0) for r in regens)
 
 
 def _regen_result(d: dict[str, Any]) -> RegenerateResult:

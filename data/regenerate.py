@@ -173,7 +173,11 @@ class RegenerateResult:
     finish: dict[str, int] = field(default_factory=dict)
     """Turns per finish reason (``context``: conversations cut short for lack of room)."""
     remaining: int = 0
-    """Conversations left unanswered because ``time_budget_s`` ran out (0: the output is complete)."""
+    """Conversations left unanswered because ``time_budget_s`` ran out or they lie past ``max_batches`` (0: the
+    output is complete)."""
+    past_max_batches: int = 0
+    """Of ``remaining``, those past the first ``max_batches`` batches: a rerun with the same ``max_batches`` has
+    nothing to do for them (a larger one continues)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -421,6 +425,8 @@ def regenerate(
                 stop = f"time budget of {cfg.time_budget_s:.0f} s used"
             if stop:
                 res.remaining = todo - res.written
+                if cfg.max_batches is not None and b >= cfg.max_batches:  # every earlier batch is done
+                    res.past_max_batches = res.remaining
                 log.info(
                     "regenerate: %s; %d conversations keep their original answers (a later run continues)",
                     stop,

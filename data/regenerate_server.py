@@ -454,7 +454,8 @@ def regenerate_via_server(
             log.info(
                 "regenerate: only the first %d batches (max_batches); a later run continues", cfg.max_batches
             )
-        res.remaining += sum(it.conv.id not in done for it in cut)
+        res.past_max_batches = sum(it.conv.id not in done for it in cut)
+        res.remaining += res.past_max_batches
         items = items[: cfg.max_batches * cfg.batch_size]
     todo = [it for it in items if it.conv.id not in done]
     res.already_done = len(items) - len(todo)

@@ -340,6 +340,35 @@ def test_prepare_with_a_spent_time_budget_keeps_or_drops_the_rest(chat_target, t
     assert not again.reused and again.splits["train"].regen.already_done == 2
 
 
+def test_prepare_stopped_at_max_batches_is_reused_by_the_same_command_and_continued_by_a_larger_one(
+    chat_target, tmp_path
+):
+    """A rerun with the same max_batches would find nothing to regenerate: it reuses the output instead of
+    starting an engine (the server path pays minutes for that); a larger max_batches continues, and a lower one
+    is reused too. A spent time budget is not reused (the test above)."""
+
+    def cfg(max_batches):
+        regen = RegenerateConfig(max_new_tokens=5, batch_size=2, max_batches=max_batches)
+        return PrepareConfig(
+            corpus=_corpus(tmp_path),
+            work_dir=str(tmp_path / "runs"),
+            max_len=64,
+            regenerate=True,
+            regen=regen,
+            progress=False,
+        )
+
+    first = prepare(cfg(1), chat_target)
+    s = first.splits["train"]
+    assert s.regen.written == 2 and s.regen.remaining > 0 and s.regen.past_max_batches == s.regen.remaining
+    assert not first.complete
+    again = prepare(cfg(1), chat_target)
+    assert again.reused and again.out_dir == first.out_dir and not again.complete
+    assert prepare(cfg(1), chat_target).splits["train"].regen.written == 2  # the summary's, as it was
+    more = prepare(cfg(50), chat_target)
+    assert not more.reused and more.complete and more.splits["train"].regen.already_done == 2
+
+
 def test_a_fixed_out_dir_refuses_output_of_other_settings(chat_target, tmp_path):
     base = dict(corpus=_corpus(tmp_path), work_dir=str(tmp_path / "runs"), progress=False)
     out = str(tmp_path / "fixed")
