@@ -220,8 +220,10 @@ def stage_export(train_res, target: Target, work_dir: Path) -> tuple[Path, Stage
     out = work_dir / "export" / json_hash({"weights": str(src.resolve()), "step": train_res.steps})
     reused = (out / "config.json").exists()
     stage = ExportStage(checkpoint=str(src), out_dir=str(out), fmt="sglang", overwrite=True)
-    err = run_export(ExportJob(export=stage), target)["round_trip_max_abs_logit_diff"]
-    print(f"export: {out} (SGLang/vLLM EAGLE-3 format; round-trip max |Δlogit| {err:.2e})", flush=True)
+    done = run_export(ExportJob(export=stage), target)
+    err = done["round_trip_max_abs_logit_diff"]
+    kind = "vLLM DFlash" if done["format"] == "dflash" else "SGLang/vLLM EAGLE-3"
+    print(f"export: {out} ({kind} format; round-trip max |Δlogit| {err:.2e})", flush=True)
     return out, StageRecord("export", str(out), time.perf_counter() - t0, reused, {"round_trip_max_abs": err})
 
 
