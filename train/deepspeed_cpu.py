@@ -64,11 +64,19 @@ def build_cpu_comm_op() -> bool:
     build_dir = extension_build_dir(builder.name)
     build_dir.mkdir(parents=True, exist_ok=True)
     guard = build_dir.parent / f"{builder.name}.eyas-build-lock"
-    with open(guard, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # other processes of this node wait here while one builds
+    fh = open(guard, "a")  # noqa: SIM115 - held across the build, closed below
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX)  # other processes of this node wait here while one builds
+        except OSError as e:  # a file system without locks (some network or FUSE mounts)
+            log.warning("cannot lock %s (%s): building DeepSpeed's CPU op without eyas's guard", guard, e)
+            builder.load(verbose=False)
+            return True
         try:
             clear_dead_build_lock(build_dir)
             builder.load(verbose=False)
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+    finally:
+        fh.close()
     return True

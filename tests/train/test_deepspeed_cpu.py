@@ -24,6 +24,52 @@ def test_a_dead_builds_lock_file_is_removed_and_nothing_else(tmp_path):
     assert clear_dead_build_lock(tmp_path) is False  # nothing to remove the second time
 
 
+class _FakeBuilder:
+    name = "deepspeed_shm_comm"
+
+    def __init__(self, build_dir: Path):
+        self.build_dir, self.loads = build_dir, []
+
+    def load(self, verbose=False):
+        self.loads.append((self.build_dir / "lock").exists())  # whether torch's lock file was still there
+
+
+def _fake(monkeypatch, tmp_path) -> _FakeBuilder:
+    import eyas.train.deepspeed_cpu as ds
+
+    d = tmp_path / "py_cpu" / "deepspeed_shm_comm"
+    d.mkdir(parents=True)
+    (d / "lock").write_text("")
+    fake = _FakeBuilder(d)
+    monkeypatch.setattr(ds, "_shm_builder", lambda: fake)
+    monkeypatch.setattr(ds, "extension_build_dir", lambda name: d)
+    return fake
+
+
+def test_the_build_runs_under_the_guard_after_the_dead_lock_is_removed(monkeypatch, tmp_path):
+    from eyas.train.deepspeed_cpu import build_cpu_comm_op
+
+    fake = _fake(monkeypatch, tmp_path)
+    assert build_cpu_comm_op() is True
+    assert fake.loads == [False]  # loaded once, with the dead build's lock file gone
+
+
+def test_a_file_system_without_locks_still_builds_leaving_torchs_file_alone(monkeypatch, tmp_path):
+    import fcntl
+
+    from eyas.train.deepspeed_cpu import build_cpu_comm_op
+
+    fake = _fake(monkeypatch, tmp_path)
+
+    def no_locks(fd, op):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert build_cpu_comm_op() is True
+    # unguarded, eyas cannot tell a dead build's file from a live one's: it leaves it to torch
+    assert fake.loads == [True] and (fake.build_dir / "lock").exists()
+
+
 @needs_deepspeed
 @pytest.mark.distributed
 def test_deepspeed_cpu_op_builds_past_a_dead_builds_lock_file(tmp_path):
