@@ -390,7 +390,8 @@ def load_exported(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> Eagle3Drafter:
-    """Load an exported drafter (either format) into :class:`Eagle3Drafter`.
+    """Load an exported drafter: an EAGLE-3 export (SGLang or speculators format) into :class:`Eagle3Drafter`, a
+    DFlash export into :class:`DFlashDrafter`.
 
     ``embedding``: the target's input embedding (a tensor, an ``nn.Embedding`` or a loaded Target); required
     when the export has none. ``dtype``: of the parameters (default float32; the rope table stays fp32).
@@ -408,7 +409,7 @@ def load_exported(
 
         if embedding is None:
             raise ExportError(f"{d}: a DFlash export holds no embedding; pass embedding= the target's")
-        tensors = read_export_weights(d / WEIGHTS)
+        tensors = read_export_weights(w_path)
         return load_dflash_export(d, config, tensors, _embedding_weight(embedding), dtype, device)
     dcfg = _drafter_config_from(config, fmt, sidecar, cfg_path)
     tensors = read_export_weights(w_path)

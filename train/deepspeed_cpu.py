@@ -64,19 +64,12 @@ def build_cpu_comm_op() -> bool:
     build_dir = extension_build_dir(builder.name)
     build_dir.mkdir(parents=True, exist_ok=True)
     guard = build_dir.parent / f"{builder.name}.eyas-build-lock"
-    fh = open(guard, "a")  # noqa: SIM115 - held across the build, closed below
-    try:
+    with open(guard, "a") as fh:  # closing it releases the lock
         try:
             fcntl.flock(fh, fcntl.LOCK_EX)  # other processes of this node wait here while one builds
-        except OSError as e:  # a file system without locks (some network or FUSE mounts)
+        except OSError as e:  # a file system without locks (some network or FUSE mounts): torch's file stays
             log.warning("cannot lock %s (%s): building DeepSpeed's CPU op without eyas's guard", guard, e)
-            builder.load(verbose=False)
-            return True
-        try:
+        else:
             clear_dead_build_lock(build_dir)
-            builder.load(verbose=False)
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-    finally:
-        fh.close()
+        builder.load(verbose=False)
     return True

@@ -317,19 +317,23 @@ def test_max_batches_stops_at_a_fixed_point_and_a_larger_value_continues(chat_ta
         RegenerateConfig(max_batches=0)
 
 
-@pytest.mark.parametrize("unfinished", ["keep", "drop"])
-def test_prepare_with_a_spent_time_budget_keeps_or_drops_the_rest(chat_target, tmp_path, unfinished):
-    """Out of time: the prepared split holds the regenerated conversations plus (keep) or without (drop) the
-    others with their original answers; the summary marks the output unfinished, and the next run continues."""
-    regen = RegenerateConfig(max_new_tokens=5, batch_size=2, time_budget_s=1e-9, unfinished=unfinished)
-    cfg = PrepareConfig(
+def _regenerating_prepare(tmp_path, **regen) -> PrepareConfig:
+    """prepare() on the small corpus, regenerating 5-token answers in batches of 2 (``regen``: the rest)."""
+    return PrepareConfig(
         corpus=_corpus(tmp_path),
         work_dir=str(tmp_path / "runs"),
         max_len=64,
         regenerate=True,
-        regen=regen,
+        regen=RegenerateConfig(max_new_tokens=5, batch_size=2, **regen),
         progress=False,
     )
+
+
+@pytest.mark.parametrize("unfinished", ["keep", "drop"])
+def test_prepare_with_a_spent_time_budget_keeps_or_drops_the_rest(chat_target, tmp_path, unfinished):
+    """Out of time: the prepared split holds the regenerated conversations plus (keep) or without (drop) the
+    others with their original answers; the summary marks the output unfinished, and the next run continues."""
+    cfg = _regenerating_prepare(tmp_path, time_budget_s=1e-9, unfinished=unfinished)
     res = prepare(cfg, chat_target)
     s = res.splits["train"]
     convs = read_conversations(s.conversations_path)
@@ -344,19 +348,11 @@ def test_prepare_stopped_at_max_batches_is_reused_by_the_same_command_and_contin
     chat_target, tmp_path
 ):
     """A rerun with the same max_batches would find nothing to regenerate: it reuses the output instead of
-    starting an engine (the server path pays minutes for that); a larger max_batches continues, and a lower one
-    is reused too. A spent time budget is not reused (the test above)."""
+    starting an engine (the server path pays minutes for that); a larger max_batches continues. A spent time
+    budget is not reused (the test above)."""
 
     def cfg(max_batches):
-        regen = RegenerateConfig(max_new_tokens=5, batch_size=2, max_batches=max_batches)
-        return PrepareConfig(
-            corpus=_corpus(tmp_path),
-            work_dir=str(tmp_path / "runs"),
-            max_len=64,
-            regenerate=True,
-            regen=regen,
-            progress=False,
-        )
+        return _regenerating_prepare(tmp_path, max_batches=max_batches)
 
     first = prepare(cfg(1), chat_target)
     s = first.splits["train"]
