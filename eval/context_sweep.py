@@ -23,6 +23,11 @@ Design decisions:
   that long and each
   verify step is put in the bin of the largest length <= its context (points of ``kind="answer"``), beside the
   long-prefix points (``kind="prefix"``): reasoning traces are long because the model writes them.
+- A serving engine beside the bundled loop (``engine: vllm``): the export is served by vLLM (or SGLang) and sent
+  the very token-id prompts of every length after the bundled sweep; per length its τ, acceptance per position
+  and :func:`eval.engine_eval.check_agreement`'s verdict against the bundled loop's ``eagle3-chain`` (the drafter
+  as exported, with its own window: what the engine reads from ``sliding_window`` / ``layer_types``). So a window
+  or a rope scaling the engine ignores at long context shows as a τ that parts from the bundled loop's there.
 - ``check_target``: the target's own loss on real long text over its first and last ``loss_span`` tokens at the
   longest length (:func:`target_long_loss`), so a τ that falls with context is known to be the drafter's failure
   and not a target that cannot read that far (e.g. a rope-scaled target, ``target=smollm2_yarn``).
@@ -52,6 +57,7 @@ from eyas.eval.acceptance import (
     run_acceptance,
 )
 from eyas.eval.intervals import bootstrap
+from eyas.serving.engine_process import ENGINES, EngineServerConfig, check_server_url
 from eyas.serving.models.target import Target, TargetConfig
 from eyas.serving.verify import SamplingConfig
 
@@ -124,6 +130,15 @@ class ContextConfig:
     first method ran (:class:`serving.loop.PrefillMemo` ``across_copies``); a prefill at 32k tokens takes minutes
     on a CPU. Decoding keeps each copy's numerics, and the match column compares methods that start from the
     same state. false: each copy runs its own prefill."""
+    engine: str = "bundled"
+    """``vllm`` or ``sglang``: also serve ``export_dir`` in that engine (started from its venv, ``make vllm``) and
+    send it the same prompts at every length; its τ, acceptance per position and agreement with the bundled loop's
+    ``eagle3-chain`` per length (``engine`` in the result). ``bundled``: the bundled loop only."""
+    server_url: str | None = None
+    """A running engine server to send the prompts to instead of starting one (needs ``engine``)."""
+    server: EngineServerConfig = field(default_factory=EngineServerConfig)
+    """How eyas starts the engine (as ``eval.server``); a ``max_model_len`` too small for the longest length and
+    its new tokens is raised to fit."""
     out_dir: str = "runs/context"
     """Results go to ``<out_dir>/<hash of the settings, drafter and target>/``."""
 
@@ -154,6 +169,23 @@ class ContextConfig:
             raise ValueError(
                 f"context.windows must be distinct entries of null (the drafter's own), 0 (full attention) or a "
                 f"positive token count, e.g. [null,512]; got {self.windows}"
+            )
+        if isinstance(self.server, dict):
+            self.server = build_config(EngineServerConfig, self.server, "context.server")
+        if self.engine not in ENGINES:
+            raise ValueError(f"context.engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.engine != "bundled":
+            if "eagle3-chain" not in self.methods or None not in self.windows:
+                raise ValueError(
+                    f"context.engine={self.engine} is compared with the bundled loop's eagle3-chain as exported: "
+                    f"context.methods must hold eagle3-chain and context.windows null (got {self.methods}, "
+                    f"{self.windows})"
+                )
+            if self.server_url:
+                check_server_url(self.server_url, "context.server_url")
+        elif self.server_url:
+            raise ValueError(
+                "context.server_url needs context.engine=vllm or context.engine=sglang (which server it is)"
             )
         if self.answer_tokens < 0 or self.loss_span < 1 or self.bootstrap < 0:
             raise ValueError(
@@ -222,6 +254,32 @@ class LongTextLoss:
 
 
 @dataclass
+class EngineContextPoint:
+    """The export inside a serving engine at one context length, beside the bundled loop on the same prompts."""
+
+    length: int
+    engine: str
+    tau: float
+    """The engine's τ over the length's prompts (its spec-decode counters: 1 + accepted drafts per draft step)."""
+    tau_ci: list[float]
+    acceptance_by_position: list[float]
+    tokens_per_s: float
+    """Completion tokens over request wall time (the prefill of the long prompt included)."""
+    verdict: str
+    """:func:`eval.engine_eval.check_agreement` against the bundled ``eagle3-chain`` at this length."""
+    reasons: list[str]
+    basis: str
+    """Which prompts the verdict was judged on (``same outputs`` or ``all prompts``)."""
+    same_outputs: int
+    prompts: int
+    tau_engine_judged: float
+    tau_bundled_judged: float
+    """τ of each side over the judged prompts, both counted as the engine counts (1 + accepted per step)."""
+    acceptance_engine_judged: list[float]
+    acceptance_bundled_judged: list[float]
+
+
+@dataclass
 class ContextResult:
     points: list[ContextPoint]
     config: dict[str, Any]
@@ -229,6 +287,8 @@ class ContextResult:
     out: Path
     seconds: float
     target_loss: LongTextLoss | None = None
+    engine: list[EngineContextPoint] = field(default_factory=list)
+    """Per length, the export inside ``context.engine`` beside the bundled loop (empty for ``bundled``)."""
 
     def get(self, method: str, length: int) -> ContextPoint | None:
         return next((p for p in self.points if p.method == method and p.length == length), None)
@@ -243,6 +303,7 @@ class ContextResult:
             "target": self.target,
             "seconds": self.seconds,
             "target_loss": None if self.target_loss is None else asdict(self.target_loss),
+            "engine": [asdict(e) for e in self.engine],
         }
 
 
@@ -444,10 +505,11 @@ def measure(
     prompts: dict[int, list[list[int]]],
     cfg: ContextConfig,
     baseline: Target | None = None,
-) -> list[ContextPoint]:
+) -> tuple[list[ContextPoint], AcceptanceResult]:
     """Generate every prompt at every length with every method of ``cfg``; one point per (method, length), and
-    per (method, length bin) of the target's own long answers when ``cfg.answer_tokens`` is set. ``target``
-    decodes the speculative methods, ``baseline`` (when given) plain decoding."""
+    per (method, length bin) of the target's own long answers when ``cfg.answer_tokens`` is set, with the
+    acceptance run they come from. ``target`` decodes the speculative methods, ``baseline`` (when given) plain
+    decoding."""
     methods = sweep_methods(cfg)
     spec = cfg.prompts
     sets = {
@@ -482,7 +544,92 @@ def measure(
     }
     for p in points:
         p.attention_window = window.get(p.method)
+    return points, acc
+
+
+def measure_engine(
+    job: ContextJob, prompts: dict[int, list[list[int]]], acc: AcceptanceResult, out: Path
+) -> list[EngineContextPoint]:
+    """Every length's prompts inside ``context.engine`` (at ``server_url``, else a server eyas starts with the
+    target and the export, log ``<out>/engine_server.log``), each length judged against the bundled loop's
+    ``eagle3-chain`` on the same prompts (:func:`eval.engine_eval.check_agreement`)."""
+    from eyas.eval.engine_eval import EngineClient, check_agreement
+    from eyas.eval.engine_eval import measure as engine_measure
+    from eyas.serving.engine_process import engine_server
+    from eyas.serving.models.target import model_source
+
+    cfg = job.context
+    spec = cfg.prompts
+    sets = {
+        str(n): (PromptSetSpec(str(n), spec.source, len(ps), spec.label, spec.max_new_tokens), ps)
+        for n, ps in sorted(prompts.items())
+    }
+    server = engine_server_config(cfg, prompts)
+    if cfg.server_url:
+        client = EngineClient(cfg.server_url, cfg.engine, server.request_timeout_s)
+        results = engine_measure(client, sets)
+    else:
+        if not cfg.export_dir:
+            raise ConfigError(f"context.engine={cfg.engine} serves context.export_dir: set it")
+        out.mkdir(parents=True, exist_ok=True)
+        with engine_server(
+            cfg.engine,
+            model_source(job.target)[0],
+            str(Path(cfg.export_dir).resolve()),
+            cfg.chain_length,
+            server,
+            out / "engine_server.log",
+            cuda=torch.cuda.is_available(),
+            threads=cfg.threads,
+        ) as srv:
+            client = EngineClient(srv.url, cfg.engine, server.request_timeout_s, model=srv.model)
+            results = engine_measure(client, sets)
+    points = []
+    for r in results:
+        bundled = acc.get(r.prompt_set, "eagle3-chain")
+        if bundled is None:  # measure() ran eagle3-chain on every length (ContextConfig checks the methods)
+            raise RuntimeError(f"no bundled eagle3-chain result at context {r.prompt_set}")
+        a = check_agreement(r, bundled)
+        ci = r.tau_ci
+        points.append(
+            EngineContextPoint(
+                length=int(r.prompt_set),
+                engine=r.engine,
+                tau=r.tau,
+                tau_ci=[ci.low, ci.high] if ci is not None and ci.defined else [],
+                acceptance_by_position=list(r.acceptance_by_position),
+                tokens_per_s=r.tokens_per_s,
+                verdict=a.verdict,
+                reasons=list(a.reasons),
+                basis=a.basis,
+                same_outputs=a.same_outputs,
+                prompts=a.prompts,
+                tau_engine_judged=a.tau_engine,
+                tau_bundled_judged=a.tau_bundled,
+                acceptance_engine_judged=list(a.acceptance_engine),
+                acceptance_bundled_judged=list(a.acceptance_bundled),
+            )
+        )
+        log.info(
+            "%s at context %s: tau %.3f (bundled %.3f on %s), %s", r.engine, r.prompt_set, r.tau, bundled.tau,
+            a.basis, a.verdict,
+        )  # fmt: skip
     return points
+
+
+def engine_server_config(cfg: ContextConfig, prompts: dict[int, list[list[int]]]) -> EngineServerConfig:
+    """``cfg.server`` with a ``max_model_len`` that holds the longest prompt, its new tokens and a last draft."""
+    need = (
+        max(len(p) for ps in prompts.values() for p in ps) + cfg.prompts.max_new_tokens + cfg.chain_length + 1
+    )
+    if cfg.server.max_model_len >= need:
+        return cfg.server
+    log.info(
+        "context.server.max_model_len %d raised to %d (the longest prompt and its answer)",
+        cfg.server.max_model_len,
+        need,
+    )
+    return replace(cfg.server, max_model_len=need)
 
 
 @torch.inference_mode()
@@ -566,8 +713,10 @@ def run(
         )
     numerics = sweep_numerics(target, cfg)
     log.info("numerics: %s", numerics.note)
+    points, acc = measure(numerics.verify, drafter, prompts, cfg, numerics.baseline)
+    engine = measure_engine(job, prompts, acc, out) if cfg.engine != "bundled" else []
     result = ContextResult(
-        points=measure(numerics.verify, drafter, prompts, cfg, numerics.baseline),
+        points=points,
         config={
             **json.loads(json.dumps(asdict(cfg), default=str)),
             "command": command,
@@ -577,6 +726,7 @@ def run(
         out=out,
         seconds=time.perf_counter() - t0,
         target_loss=loss,
+        engine=engine,
     )
     write_report(result)
     return result
@@ -596,6 +746,8 @@ def markdown_table(result: ContextResult) -> str:
             f"| {p.step_ms:.1f} | {p.draft_ms:.1f} | {p.tokens_per_s:.1f} {_ci(p.tokens_per_s_ci, 1)} "
             f"| {p.speedup:.2f}× | {p.match_rate:.0%} |"
         )
+    if result.engine:
+        lines += ["", engine_table(result)]
     loss = result.target_loss
     if loss is not None:
         lines += [
@@ -603,6 +755,28 @@ def markdown_table(result: ContextResult) -> str:
             f"Target loss on {loss.tokens} tokens of held-out text: first {loss.span} tokens {loss.first:.3f}, "
             f"last {loss.span} tokens {loss.last:.3f} nats/token.",
         ]
+    return "\n".join(lines)
+
+
+def engine_table(result: ContextResult) -> str:
+    """The export inside the serving engine beside the bundled loop's ``eagle3-chain``, per length."""
+    bundled = {p.length: p for p in result.points if p.method == "eagle3-chain" and p.kind == "prefix"}
+    lines = [
+        "| context | engine | τ engine, all prompts [95%] | τ bundled, all prompts | same output | τ engine / bundled, "
+        "judged | acceptance per position engine / bundled, judged | verdict |",
+        "|---:|---|---|---|---:|---|---|---|",
+    ]
+    for e in sorted(result.engine, key=lambda e: e.length):
+        b = bundled.get(e.length)
+        why = f" ({'; '.join(e.reasons)})" if e.reasons else ""
+        acc = " ".join(f"{a:.2f}" for a in e.acceptance_engine_judged)
+        bacc = " ".join(f"{a:.2f}" for a in e.acceptance_bundled_judged)
+        b_tau = f"{b.tau:.2f} {_ci(b.tau_ci, 2)}" if b else "—"
+        lines.append(
+            f"| {e.length} | {e.engine} | {e.tau:.2f} {_ci(e.tau_ci, 2)} | {b_tau} | {e.same_outputs}/{e.prompts} "
+            f"| {e.tau_engine_judged:.3f} / {e.tau_bundled_judged:.3f} ({e.basis}) | {acc} / {bacc} "
+            f"| {e.verdict}{why} |"
+        )
     return "\n".join(lines)
 
 
@@ -638,6 +812,13 @@ def plot(result: ContextResult, path: Path) -> Path:
                 ax.errorbar(xs, ys, yerr=err, marker="o", linestyle=style, label=label, capsize=3)
             else:
                 ax.plot(xs, ys, marker="o", linestyle=style, label=label)
+        if attr == "tau" and result.engine:
+            eng = sorted(result.engine, key=lambda e: e.length)
+            mean = {p.length: p.mean_context for p in result.points if p.method == "eagle3-chain"}
+            xs = [mean.get(e.length, e.length) for e in eng]
+            ax.plot(
+                xs, [e.tau for e in eng], marker="s", linestyle=":", label=f"{eng[0].engine}: eagle3-chain"
+            )
         ax.set_xscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(ylabel)
@@ -686,8 +867,9 @@ def load_tau_context(path: str | Path) -> ContextResult:
     d = json.loads(p.read_text())
     points = [ContextPoint(**x) for x in d["points"]]
     loss = LongTextLoss(**d["target_loss"]) if d.get("target_loss") else None
+    engine = [EngineContextPoint(**e) for e in d.get("engine", [])]
     return ContextResult(
-        points, d.get("config", {}), d.get("target", {}), p.parent, d.get("seconds", 0.0), loss
+        points, d.get("config", {}), d.get("target", {}), p.parent, d.get("seconds", 0.0), loss, engine
     )
 
 

@@ -923,6 +923,10 @@ class ExportStage(ExportConfig):
     checkpoint: str | None = None
     """A trainer checkpoint directory (``drafter.safetensors`` + ``drafter_config.json``), e.g. ``<run>/best``."""
     out_dir: str | None = None
+    attention_window: int | None = None
+    """The sliding window the export declares to the engines (``sliding_window`` / ``layer_types``): null the
+    drafter's own (as trained), n > 0 a window of n tokens, 0 full attention. The weights are the checkpoint's
+    either way; this is how ``eyas context`` measures a window (``context.windows``) is served (EAGLE-3 only)."""
 
     def settings(self) -> ExportConfig:
         return base_config(self, ExportConfig)
@@ -958,12 +962,30 @@ def run(job: ExportJob, target=None) -> dict[str, Any]:
         drafter = load_trained_drafter(e.checkpoint, emb)
     except ValueError as err:
         raise ExportError(f"export.checkpoint={e.checkpoint} (target {target.info.name}): {err}") from None
+    if e.attention_window is not None:
+        drafter = with_window(drafter, e.attention_window)
     record = TargetRecord.of(chosen.config, target.info) if chosen.known else None
     export(drafter, target, e.out_dir, config=e.settings(), record=record)
     err = round_trip_error(drafter, e.out_dir, emb)
     if err > 1e-4:
         raise ExportError(f"export round trip changed the logits by {err:.3g}: {e.out_dir}")
     return {**describe_export(e.out_dir), "round_trip_max_abs_logit_diff": err}
+
+
+def with_window(drafter, window: int):
+    """``drafter`` declaring a sliding window of ``window`` tokens (0: full attention), its weights untouched
+    (:attr:`ExportStage.attention_window`)."""
+    if isinstance(drafter, DFlashDrafter):
+        raise ExportError(
+            "export.attention_window applies to EAGLE-3 drafters; a DFlash drafter has no window"
+        )
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ExportError(
+            f"export.attention_window must be null (the drafter's own), 0 (full attention) or a positive token "
+            f"count, not {window!r}"
+        )
+    drafter.config = replace(drafter.config, attention_window=window or None)
+    return drafter
 
 
 def export_command(job: ExportJob) -> None:

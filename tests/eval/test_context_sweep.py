@@ -135,7 +135,7 @@ class PeriodicSweep:
     ``eyas context`` (``res``); :meth:`diagnose` then profiles the same prompt at ``contexts`` and prices the
     sweep's points (``diagnose.tau_context``)."""
 
-    def __init__(self, tmp_path, methods, windows=(None,), bootstrap=1000):
+    def __init__(self, tmp_path, methods, windows=(None,), bootstrap=1000, **more):
         import torch
 
         from eyas.eval.acceptance import PromptSetSpec
@@ -156,6 +156,7 @@ class PeriodicSweep:
             windows=list(windows),
             bootstrap=bootstrap,
             out_dir=str(tmp_path / "ctx"),
+            **more,
         )
         by_length = self.prompts_at([24, 96]).by_context
         self.res = run(ContextJob(context=cfg), target=self.target, drafter=self.drafter, prompts=by_length)
@@ -348,6 +349,52 @@ def test_drafter_windows_are_methods_of_one_sweep(tmp_path, monkeypatch):
     for n in (24, 64):
         assert alone.get("eagle3-chain", n).accepted == res.get("eagle3-chain-w4", n).accepted
         assert alone.get("eagle3-chain", n).attention_window == 4
+
+
+def test_the_sweep_sends_every_length_to_the_engine_and_judges_it_against_the_bundled_chain(tmp_path):
+    """context.engine: the very prompts of each length go to the server, its τ per length is the counters' (the
+    stub accepts 2 of 3 drafts a step), and each length is judged against the bundled eagle3-chain on them."""
+    from eyas.eval.context_sweep import load_tau_context
+    from tests.eval.test_engine_eval import stub_server
+
+    with stub_server(tmp_path, "--k", "3", "--accept", "2") as server:
+        server.wait_ready(30)
+        sweep = PeriodicSweep(
+            tmp_path, ["eagle3-chain", "none"], engine="vllm", server_url=server.url, bootstrap=200
+        )
+    res = sweep.res
+    assert [e.length for e in res.engine] == [24, 96]
+    for e in res.engine:
+        # 10 tokens a prompt: the prefill's, then steps emitting 3, 3, 3 (2 accepted each): τ 3
+        assert e.tau == pytest.approx(3.0) and e.engine == "vllm"
+        b = res.get("eagle3-chain", e.length)
+        assert e.prompts == 1 and e.same_outputs == 0 and e.basis == "all prompts"
+        assert e.tau_bundled_judged == pytest.approx(b.tau)
+        # a random drafter's bundled τ is far below the rule's 1.8: no verdict either way
+        assert e.verdict == "inconclusive" and "below 1.8" in e.reasons[0]
+    text = (res.out / "context.md").read_text()
+    assert "| 24 | vllm | 3.00" in text and "| 96 | vllm | 3.00" in text
+    again = load_tau_context(res.out)
+    assert again.engine == res.engine
+
+
+def test_the_engine_sweep_is_configured_as_the_comparison_needs():
+    from eyas.eval.acceptance import PromptSetSpec
+    from eyas.eval.context_sweep import ContextConfig, engine_server_config
+
+    with pytest.raises(ValueError, match="context.methods must hold eagle3-chain and context.windows null"):
+        ContextConfig(engine="vllm", windows=[512])
+    with pytest.raises(ValueError, match="context.methods must hold eagle3-chain"):
+        ContextConfig(engine="vllm", methods=["prompt-lookup", "none"])
+    with pytest.raises(ValueError, match="server_url needs context.engine"):
+        ContextConfig(server_url="http://127.0.0.1:8000")
+    with pytest.raises(ValueError, match="context.engine must be one of"):
+        ContextConfig(engine="trt")
+    spec = PromptSetSpec("p", "mt_bench", 1, max_new_tokens=32)
+    cfg = ContextConfig(engine="vllm", prompts=spec, chain_length=6, server={"max_model_len": 4096})
+    assert engine_server_config(cfg, {1024: [[1] * 1000]}).max_model_len == 4096  # it fits
+    assert engine_server_config(cfg, {16384: [[1] * 16380]}).max_model_len == 16380 + 32 + 6 + 1
+    assert cfg.server.max_model_len == 4096  # the configured one is left as it was
 
 
 def test_the_old_attention_window_key_names_windows():

@@ -482,6 +482,26 @@ def test_exported_window_is_where_vllm_reads_it(tmp_path, fmt):
     assert "layer_types" not in layer and "sliding_window" not in layer  # full attention: as before
 
 
+def test_export_attention_window_declares_a_window_the_drafter_was_not_trained_with(tmp_path):
+    """``export.attention_window``: one checkpoint exported with a window (how ``eyas context`` measures it served)
+    or without one; the loaded drafter drafts as the bundled loop does with that window, weights unchanged."""
+    from eyas.serving.export import with_window
+
+    d, cfg = make_drafter()
+    export(with_window(d, 3), spec_for(cfg), tmp_path / "w3", "sglang", config=ExportConfig(dtype="float32"))
+    raw = json.loads((tmp_path / "w3" / "config.json").read_text())
+    assert (raw["sliding_window"], raw["layer_types"]) == (3, ["sliding_attention"])
+    loaded = load_exported(tmp_path / "w3", embedding=d.embed_tokens.weight)
+    windowed, _ = make_drafter(attention_window=3)  # the same seed's weights, trained config with the window
+    for a, b in zip(*[sum(run_both(m), []) for m in (windowed, loaded)]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    export(with_window(loaded, 0), spec_for(cfg), tmp_path / "full", "sglang")  # 0: back to full attention
+    assert "sliding_window" not in json.loads((tmp_path / "full" / "config.json").read_text())
+    for bad in (-1, True, "512"):
+        with pytest.raises(ExportError, match="attention_window"):
+            with_window(d, bad)
+
+
 def test_export_declaring_a_window_without_its_size_is_refused(tmp_path):
     d, cfg = make_drafter(attention_window=5)
     export(d, spec_for(cfg), tmp_path / "out", "sglang")
