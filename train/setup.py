@@ -348,7 +348,8 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
     evals: list[Any] = []
     if ef > 0:
         try:
-            held_out = make("eval", shuffle=False, loss_on="assistant")  # τ_sim: the assistant's tokens
+            # τ_sim: the assistant's tokens, each held-out sample whole in rows up to the longest training row
+            held_out = make("eval", shuffle=False, loss_on="assistant", **held_out_rows(lc))
         except ValueError as e:
             log.warning("no held-out batches (%s): simulated acceptance will not be measured", e)
         else:
@@ -358,6 +359,17 @@ def run_data(target, cfg: TrainConfig, rank: int, world: int) -> RunData:
     counts = count_loss_tokens(_token_rows(source, train.candidates), target.vocab_size)
     identity.update(loader=lc, eval_fraction=ef)
     return RunData(train=train, eval=evals, vocab_counts=counts, identity={"data": identity})
+
+
+def held_out_rows(loader: dict[str, Any]) -> dict[str, Any]:
+    """Loader settings of the held-out split over the training ``loader``'s: a ``length_mix`` (a share of the
+    training tokens per row length) becomes plain rows of its longest length. The mix's shares are a training
+    choice; a held-out split of a few samples need not hold a sample of every length (it often holds no long one),
+    and each of its samples is measured whole."""
+    mix = loader.get("length_mix")
+    if not mix:
+        return {}
+    return {"length_mix": None, "max_tokens": max(int(k) for k in mix)}
 
 
 def _token_rows(source: Any, indices: Any):

@@ -277,6 +277,35 @@ def test_store_data_for_its_target_and_refused_for_another(tmp_path):
         run_data(other, cfg, rank=0, world=1)
 
 
+def test_a_length_mix_trains_on_its_shares_and_measures_the_held_out_split_whole(tmp_path):
+    """A held-out split without a long sample (a few long conversations among many short ones) still gives τ_sim
+    batches: the mix's shares are the training rows', the held-out samples go whole into rows of its longest length
+    (the eval loader used to take the mix and refuse to plan an epoch without a long sample)."""
+    from eyas.data.extract import ExtractConfig, extract
+    from eyas.data.types import Sample
+    from eyas.train.setup import run_data
+    from tests.data.test_store import random_samples
+
+    short = random_samples(24, seed=4, max_len=16)
+    rng = torch.Generator().manual_seed(0)
+    longs = [
+        Sample(f"long{i}", torch.randint(3, 256, (40,), generator=rng).tolist(), [True] * 40) for i in (1, 2)
+    ]  # ids the split keeps in training (data.loader.in_eval_split: a hash of the id)
+    target = make_tiny_target(seed=1)
+    extract(short + longs, target, tmp_path / "store", ExtractConfig(progress=False))
+    loader = {"batch_rows": 1, "max_tokens": 16, "packing": "packed", "length_mix": {16: 3, 48: 1}}
+    data = {"source": "store", "store_dir": str(tmp_path / "store"), "eval_fraction": 0.25, "loader": loader}
+    rd = run_data(target, tiny_cfg(tmp_path, data=data), rank=0, world=1)
+    by_id = {s.id: s for s in short + longs}
+    eval_ids = {i for b in rd.eval for row in b.sample_ids for i in row}
+    train_ids = {i for b in rd.train for row in b.sample_ids for i in row}
+    assert eval_ids and not eval_ids & {"long1", "long2"}  # the case: no long sample held out
+    assert {"long1", "long2"} <= train_ids  # the training rows take the long share
+    assert max(b.input_ids.shape[1] for b in rd.train) > 16
+    held = sum(by_id[i].num_tokens for i in eval_ids)
+    assert sum(int((b.segment_ids > 0).sum()) for b in rd.eval) == held  # every held-out sample whole
+
+
 def test_a_flipped_byte_in_a_shard_stops_training_naming_the_shard(tmp_path):
     from eyas.data.extract import ExtractConfig, extract
     from eyas.data.store import CorruptShardError
