@@ -195,7 +195,8 @@ def model_answer(
             else min(int(body["max_tokens"]), max_tokens_cap)
         )
         cfg = RegenerateConfig(max_new_tokens=n)
-        return generate_batch(target, [prompt], cfg, 0, set(body.get("stop_token_ids") or [2]))[0].token_ids
+        with _FORWARD:
+            return generate_batch(target, [prompt], cfg, 0, set(body.get("stop_token_ids") or [2]))[0].token_ids
 
     return answer
 
