@@ -196,7 +196,9 @@ def model_answer(
         )
         cfg = RegenerateConfig(max_new_tokens=n)
         with _FORWARD:
-            return generate_batch(target, [prompt], cfg, 0, set(body.get("stop_token_ids") or [2]))[0].token_ids
+            return generate_batch(target, [prompt], cfg, 0, set(body.get("stop_token_ids") or [2]))[
+                0
+            ].token_ids
 
     return answer
 
