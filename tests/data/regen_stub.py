@@ -195,10 +195,9 @@ def model_answer(
             else min(int(body["max_tokens"]), max_tokens_cap)
         )
         cfg = RegenerateConfig(max_new_tokens=n)
-        with _FORWARD:
-            return generate_batch(target, [prompt], cfg, 0, set(body.get("stop_token_ids") or [2]))[
-                0
-            ].token_ids
+        stops = set(body.get("stop_token_ids") or [2])
+        with _FORWARD:  # two stubs may share one target, whose forward is not thread-safe
+            return generate_batch(target, [prompt], cfg, 0, stops)[0].token_ids
 
     return answer
 
