@@ -499,6 +499,17 @@ def sweep_numerics(target: Target, cfg: ContextConfig) -> SweepNumerics:
     return SweepNumerics(n.verify, None if n.baseline is n.verify else n.baseline, n.note)
 
 
+def length_sets(
+    cfg: ContextConfig, prompts: dict[int, list[list[int]]]
+) -> dict[str, tuple[PromptSetSpec, list]]:
+    """One prompt set per context length, named by the length (what the bundled loop and the engine both run)."""
+    spec = cfg.prompts
+    return {
+        str(n): (PromptSetSpec(str(n), spec.source, len(ps), spec.label, spec.max_new_tokens), ps)
+        for n, ps in prompts.items()
+    }
+
+
 def measure(
     target: Target,
     drafter,
@@ -512,10 +523,7 @@ def measure(
     decoding."""
     methods = sweep_methods(cfg)
     spec = cfg.prompts
-    sets = {
-        str(n): (PromptSetSpec(str(n), spec.source, len(ps), spec.label, spec.max_new_tokens), ps)
-        for n, ps in prompts.items()
-    }
+    sets = length_sets(cfg, prompts)
     if cfg.answer_tokens:  # the prompts at the shortest length, answered at length
         bare = prompts[min(prompts)]
         sets[ANSWER_SET] = (
@@ -559,11 +567,7 @@ def measure_engine(
     from eyas.serving.models.target import model_source
 
     cfg = job.context
-    spec = cfg.prompts
-    sets = {
-        str(n): (PromptSetSpec(str(n), spec.source, len(ps), spec.label, spec.max_new_tokens), ps)
-        for n, ps in sorted(prompts.items())
-    }
+    sets = length_sets(cfg, prompts)
     server = engine_server_config(cfg, prompts)
     if cfg.server_url:
         client = EngineClient(cfg.server_url, cfg.engine, server.request_timeout_s)
